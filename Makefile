@@ -1,0 +1,29 @@
+# The two commands a new machine needs: `make demo` and `make test`.
+# Both install first (once) into .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/cuda.txt requirements/dev.txt scripts/install.sh
+	bash scripts/install.sh $(VENV)
+	touch $(STAMP)
+
+# The main job (until the DLRM example lands): the oracle report.
+demo: install
+	$(PY) benchmarks/oracle.py --out results/oracle
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) benchmarks/oracle.py --out results/oracle --scale 0.25 --steps 200
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,1 @@
+"""Sharding-planner extension for lookahead-cached tables (see DESIGN.md section 3)."""
