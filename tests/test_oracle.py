@@ -1,0 +1,186 @@
+"""OracleCacher: the contract of DESIGN.md section 4, against the reference simulator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from contract import replay
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torchrec_lookahead import OracleCacher
+from torchrec_lookahead.simulate import reference_min, reference_windowed
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> tuple[list[np.ndarray], int, int, int, int]:
+    num_rows = draw(st.integers(1, 40))
+    batches = draw(
+        st.lists(
+            st.lists(st.integers(0, num_rows - 1), max_size=12).map(
+                lambda ids: np.array(ids, dtype=np.int64)
+            ),
+            max_size=25,
+        )
+    )
+    capacity = draw(st.integers(1, 40))
+    lookahead = draw(st.integers(0, 6))
+    prefetch_distance = draw(st.integers(0, 3))
+    return batches, num_rows, capacity, lookahead, prefetch_distance
+
+
+def run_oracle(batches, capacity, lookahead, d, num_rows=None):
+    oracle = OracleCacher(capacity, lookahead, d, num_rows)
+    plans = list(oracle.plan(batches))
+    return oracle, plans
+
+
+@given(traces())
+def test_plans_meet_the_contract_and_match_the_reference(trace) -> None:
+    batches, num_rows, capacity, lookahead, d = trace
+    try:
+        expected = reference_windowed(batches, capacity, lookahead, d)
+    except ValueError:
+        with pytest.raises(ValueError, match="a capacity of at least"):
+            run_oracle(batches, capacity, lookahead, d, num_rows)
+        return
+    oracle, plans = run_oracle(batches, capacity, lookahead, d, num_rows)
+    replay(batches, plans, oracle.flush(), capacity, d)
+    for plan, want in zip(plans, expected):
+        assert set(plan.fetch_ids.tolist()) == want.fetched, plan.step
+        assert set(plan.evict_ids.tolist()) == want.evicted, plan.step
+
+
+@given(traces())
+def test_full_lookahead_without_prefetch_distance_is_belady_min(trace) -> None:
+    batches, num_rows, capacity, _, _ = trace
+    try:
+        expected = reference_min(batches, capacity)
+    except ValueError:
+        return
+    _, plans = run_oracle(batches, capacity, len(batches), 0, num_rows)
+    assert [p.num_misses for p in plans] == expected
+
+
+def optimal_misses(batches: list[set[int]], capacity: int) -> int:
+    """Fewest misses any demand-fetching cache can have: search over resident sets."""
+    states = {frozenset(): 0}
+    for rows in batches:
+        following: dict[frozenset[int], int] = {}
+        for resident, misses in states.items():
+            missing = rows - resident
+            keep = resident - rows
+            room = capacity - len(rows)
+            # keep any subset of the other resident rows that still fits
+            options = [frozenset()]
+            for r in keep:
+                options += [o | {r} for o in options]
+            for kept in options:
+                if len(kept) <= room:
+                    nxt = frozenset(kept | rows)
+                    cost = misses + len(missing)
+                    if cost < following.get(nxt, 1 << 30):
+                        following[nxt] = cost
+        states = following
+    return min(states.values())
+
+
+@given(
+    st.integers(1, 4).flatmap(
+        lambda cap: st.tuples(
+            st.just(cap),
+            st.lists(st.sets(st.integers(0, 5), max_size=cap), min_size=1, max_size=8),
+        )
+    )
+)
+def test_belady_min_reference_is_optimal(case) -> None:
+    capacity, batches = case
+    arrays = [np.array(sorted(b), dtype=np.int64) for b in batches]
+    assert sum(reference_min(arrays, capacity)) == optimal_misses(batches, capacity)
+
+
+def test_longer_lookahead_never_misses_more_on_a_skewed_trace() -> None:
+    rng = np.random.default_rng(3)
+    ranks = np.minimum(rng.zipf(1.2, size=(200, 64)), 5000) - 1
+    batches = list(ranks)
+    misses = [sum(p.num_misses for p in run_oracle(batches, 300, L, 1)[1]) for L in (1, 8, 64)]
+    best = sum(reference_min(batches, 300))
+    assert misses[0] >= misses[1] >= misses[2] >= best
+    assert misses[0] > best  # the window matters on this trace
+
+
+def test_accepts_torch_tensors_and_lists() -> None:
+    batches = [[1, 2, 2], np.array([3, 1]), torch.tensor([4, 4, 2])]
+    oracle, plans = run_oracle(batches, 4, 2, 1, num_rows=5)
+    as_numpy = [np.asarray(b) for b in batches]
+    replay(as_numpy, plans, oracle.flush(), 4, 1)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (np.array([1, -3, 2]), "step 1: negative id -3"),
+        (np.array([1, 7]), "step 1: id 7 is out of range for a table of 5 rows"),
+        (np.array([[1, 2]]), "1-D array"),
+        (np.array([0.5, 1.0]), "integers"),
+        (np.array([0, 1, 2, 3, 4]), "a capacity of at least 5 is needed"),
+    ],
+)
+def test_bad_batch_is_refused_and_changes_nothing(bad, message) -> None:
+    good = [np.array([0, 1]), np.array([2, 3]), np.array([1, 4]), np.array([0, 3])]
+    oracle = OracleCacher(capacity=4, lookahead=2, prefetch_distance=0, num_rows=5)
+    plans = [p for p in [oracle.push(good[0])] if p is not None]
+    with pytest.raises(ValueError, match=message):
+        oracle.push(bad)
+    for batch in good[1:]:
+        plans += [p for p in [oracle.push(batch)] if p is not None]
+    plans += oracle.finish()
+    replay(good, plans, oracle.flush(), 4, 0)
+    clean = OracleCacher(capacity=4, lookahead=2, prefetch_distance=0, num_rows=5)
+    for got, want in zip(plans, clean.plan(good)):
+        assert np.array_equal(got.slots, want.slots)
+        assert np.array_equal(got.fetch_ids, want.fetch_ids)
+        assert np.array_equal(got.evict_ids, want.evict_ids)
+
+
+def test_capacity_error_names_the_steps_and_the_capacity_needed() -> None:
+    oracle = OracleCacher(capacity=5, lookahead=4, prefetch_distance=1)
+    oracle.push(np.array([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"steps 0\.\.1 use 6 distinct rows.*at least 6"):
+        oracle.push(np.array([3, 4, 5, 3]))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(capacity=0, lookahead=1), dict(capacity=1, lookahead=-1),
+               dict(capacity=1, lookahead=1, prefetch_distance=-1),
+               dict(capacity=1, lookahead=1, num_rows=0)]
+)  # fmt: skip
+def test_bad_settings_are_refused(kwargs) -> None:
+    with pytest.raises(ValueError):
+        OracleCacher(**kwargs)
+
+
+def test_push_emits_each_plan_once_its_window_is_visible() -> None:
+    oracle = OracleCacher(capacity=8, lookahead=2, prefetch_distance=1)
+    emitted = [oracle.push(np.array([i])) for i in range(5)]
+    assert [p.step if p else None for p in emitted] == [None, None, 0, 1, 2]
+    assert [p.step for p in oracle.finish()] == [3, 4]
+    assert oracle.finish() == []
+
+
+def test_flush_keeps_rows_resident_and_the_stream_can_go_on() -> None:
+    batches = [np.array([i % 7, (3 * i) % 11]) for i in range(30)]
+    oracle = OracleCacher(capacity=6, lookahead=3, prefetch_distance=1, num_rows=11)
+    plans = list(oracle.plan(batches[:15]))
+    mid = oracle.flush()
+    assert len(mid.evict_ids) == oracle.num_resident
+    plans += list(oracle.plan(batches[15:]))
+    replay(batches, plans, oracle.flush(), 6, 1)
+
+
+def test_ids_beyond_the_first_batches_grow_the_tables_when_num_rows_is_unknown() -> None:
+    batches = [np.array([1, 2]), np.array([10_000, 2]), np.array([123_456, 1])]
+    oracle = OracleCacher(capacity=4, lookahead=1, prefetch_distance=1)
+    plans = list(oracle.plan(batches))
+    replay(batches, plans, oracle.flush(), 4, 1)
