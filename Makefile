@@ -23,7 +23,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
-	$(PY) benchmarks/oracle.py --out results/oracle --scale 0.25 --steps 200
+	$(PY) benchmarks/oracle.py --out results/oracle-large --scale 0.5 --steps 400
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .hypothesis *.egg-info

@@ -18,9 +18,7 @@ from torchrec_lookahead.simulate import (
 
 batches_and_capacity = st.integers(1, 30).flatmap(
     lambda rows: st.tuples(
-        st.lists(
-            st.lists(st.integers(0, rows - 1), max_size=10).map(np.array), max_size=30
-        ),
+        st.lists(st.lists(st.integers(0, rows - 1), max_size=10).map(np.array), max_size=30),
         st.integers(10, 30),
     )
 )

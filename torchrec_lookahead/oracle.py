@@ -307,7 +307,9 @@ class OracleCacher:
             keys = (next_use[candidates].astype(np.int64) << 32) - last_use[candidates]
             chosen = largest_keys(keys, table.id_of_slot[candidates], evictions)
             if len(chosen) < evictions:  # the pinned-row check on entry rules this out
-                raise AssertionError(f"step {s}: {len(candidates)} evictable rows, need {evictions}")
+                raise AssertionError(
+                    f"step {s}: {len(candidates)} evictable rows, need {evictions}"
+                )
             victims = np.sort(candidates[chosen])
         evict_ids, fetch_slots = table.admit(fetch_ids, victims)
 

@@ -167,7 +167,9 @@ def lfu_misses(batches: Sequence[Any], capacity: int, num_rows: int | None = Non
         if len(unique) > capacity:
             raise ValueError(f"step {s}: {len(unique)} rows exceed capacity {capacity}")
         if len(unique) and unique[-1] >= len(counts):
-            counts = np.concatenate([counts, np.zeros(2 * int(unique[-1]) + 1 - len(counts), np.int64)])
+            counts = np.concatenate(
+                [counts, np.zeros(2 * int(unique[-1]) + 1 - len(counts), np.int64)]
+            )
             table.grow(len(counts))
         counts[unique] += occurrences
         slots = table.slot_of_id[unique]

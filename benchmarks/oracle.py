@@ -1,0 +1,248 @@
+"""Oracle report: misses of LRU, LFU, the lookahead oracle and Belady's MIN, and planning speed.
+
+On a Criteo-shaped stream (26 tables of Criteo Kaggle's sizes times --scale,
+per-table Zipf skew) it counts, at cache sizes of a few percent of each
+table, how many rows each policy fetches. It then times the oracle against
+``np.unique(batch, return_inverse=True)`` on 65,536-id batches of a 2M-row
+table, the floor for any planner that has to deduplicate its input.
+
+Writes ``report.json`` and ``misses.png`` into --out and prints both tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from torchrec_lookahead import OracleCacher
+from torchrec_lookahead.data import SyntheticCriteo, ZipfSampler
+from torchrec_lookahead.simulate import lfu_misses, lru_misses, min_misses, oracle_misses
+
+BAGPIPE_IDS_PER_S = 16384 * 26 / 0.075  # Bagpipe's Python oracle, per its paper
+
+
+def machine() -> dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def pinned_rows_needed(stream: list[np.ndarray], prefetch_distance: int) -> int:
+    """Most distinct rows any d+1 consecutive steps use: the smallest workable cache."""
+    d = prefetch_distance
+    return max(
+        len(np.unique(np.concatenate(stream[max(0, s - d) : s + 1]))) for s in range(len(stream))
+    )
+
+
+def miss_table(args: argparse.Namespace) -> dict[str, object]:
+    data = SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed)
+    streams = data.table_streams(args.batch_size, args.steps)
+    floors = [pinned_rows_needed(s, args.prefetch_distance) for s in streams]
+    distinct_per_step = sum(len(np.unique(b)) for s in streams for b in s)
+    compulsory = sum(len(np.unique(np.concatenate(s))) for s in streams)
+
+    policies: dict[str, object] = {"LRU": lru_misses, "LFU": lfu_misses}
+    for lookahead in args.lookaheads:
+        policies[f"oracle L={lookahead}"] = lambda b, c, n, L=lookahead: oracle_misses(
+            b, c, L, args.prefetch_distance, n
+        )
+    policies["MIN"] = min_misses
+
+    rows = []
+    runs = [(f, name) for f in args.cache_fractions for name in policies]
+    for fraction, name in tqdm(runs, desc="simulating", unit="run"):
+        capacities = [
+            min(n, max(math.ceil(fraction * n), floor))
+            for n, floor in zip(data.num_embeddings, floors)
+        ]
+        misses = sum(
+            int(policies[name](stream, cap, n).sum())
+            for stream, cap, n in zip(streams, capacities, data.num_embeddings)
+        )
+        rows.append(
+            {
+                "cache_fraction": fraction,
+                "cache_rows": sum(capacities),
+                "policy": name,
+                "misses": misses,
+                "miss_rate": misses / distinct_per_step,
+            }
+        )
+    return {
+        "tables": data.num_tables,
+        "rows": sum(data.num_embeddings),
+        "ids": args.batch_size * args.steps * data.num_tables,
+        "distinct_ids_per_step_total": distinct_per_step,
+        "compulsory_misses": compulsory,
+        "results": rows,
+    }
+
+
+def throughput(args: argparse.Namespace) -> list[dict[str, object]]:
+    sampler = ZipfSampler(args.tp_rows, args.zipf, salt=1)
+    rng = np.random.default_rng(args.seed)
+    batches = [sampler.sample(rng, args.tp_batch) for _ in range(args.tp_batches)]
+    ids = args.tp_batch * args.tp_batches
+
+    def best_of(fn) -> float:
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    unique_s = best_of(lambda: [np.unique(b, return_inverse=True) for b in batches])
+    out = []
+    capacity = max(
+        int(args.tp_cache_fraction * args.tp_rows),
+        pinned_rows_needed(batches, args.prefetch_distance),
+    )
+    for lookahead in tqdm(args.lookaheads, desc="timing oracle", unit="L"):
+        oracle_s = best_of(
+            lambda L=lookahead: list(
+                OracleCacher(capacity, L, args.prefetch_distance, args.tp_rows).plan(batches)
+            )
+        )
+        out.append(
+            {
+                "lookahead": lookahead,
+                "capacity": capacity,
+                "oracle_s": oracle_s,
+                "unique_s": unique_s,
+                "ratio_to_unique": oracle_s / unique_s,
+                "ids_per_s": ids / oracle_s,
+                "speedup_vs_bagpipe": ids / oracle_s / BAGPIPE_IDS_PER_S,
+            }
+        )
+    return out
+
+
+def plot(report: dict[str, object], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    results = report["misses"]["results"]
+    for policy in dict.fromkeys(r["policy"] for r in results):
+        pts = [r for r in results if r["policy"] == policy]
+        ax.plot(
+            [100 * p["cache_fraction"] for p in pts],
+            [100 * p["miss_rate"] for p in pts],
+            marker="o",
+            label=policy,
+            linestyle="--" if policy == "MIN" else "-",
+        )
+    compulsory = (
+        report["misses"]["compulsory_misses"] / report["misses"]["distinct_ids_per_step_total"]
+    )
+    ax.axhline(100 * compulsory, color="grey", linewidth=1, label="first touches (any cache)")
+    ax.set_xscale("log")
+    fractions = sorted({100 * r["cache_fraction"] for r in results})
+    ax.set_xticks(fractions, [f"{f:g}" for f in fractions])
+    ax.minorticks_off()
+    ax.set_xlabel("cache size (% of each table's rows)")
+    ax.set_ylabel("misses (% of distinct ids per step)")
+    cfg = report["config"]
+    ax.set_title(
+        f"Criteo-shaped stream, scale {cfg['scale']}, Zipf {cfg['zipf']}, "
+        f"batch {cfg['batch_size']}, {cfg['steps']} steps"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_tables(report: dict[str, object]) -> None:
+    misses = report["misses"]
+    results = misses["results"]
+    policies = list(dict.fromkeys(r["policy"] for r in results))
+    fractions = list(dict.fromkeys(r["cache_fraction"] for r in results))
+    print(
+        f"\nMisses (% of distinct ids per step) on {misses['tables']} tables, "
+        f"{misses['rows']:,} rows, {misses['ids']:,} ids; compulsory misses "
+        f"{100 * misses['compulsory_misses'] / misses['distinct_ids_per_step_total']:.2f}%"
+    )
+    print(f"{'cache':>7} {'rows':>10} " + " ".join(f"{p:>13}" for p in policies))
+    for f in fractions:
+        row = {r["policy"]: r for r in results if r["cache_fraction"] == f}
+        cells = " ".join(f"{100 * row[p]['miss_rate']:>12.2f}%" for p in policies)
+        print(f"{100 * f:>6.1f}% {row[policies[0]]['cache_rows']:>10,} {cells}")
+    cfg = report["config"]
+    print(
+        f"\nPlanning speed: {cfg['tp_batches']} batches of {cfg['tp_batch']:,} ids, "
+        f"table of {cfg['tp_rows']:,} rows, cache {cfg['tp_cache_fraction']:.0%}, "
+        f"best of {cfg['repeats']}"
+    )
+    print(f"{'L':>4} {'oracle s':>9} {'unique s':>9} {'ratio':>6} {'M ids/s':>8} {'x Bagpipe':>9}")
+    for t in report["throughput"]:
+        print(
+            f"{t['lookahead']:>4} {t['oracle_s']:>9.3f} {t['unique_s']:>9.3f} "
+            f"{t['ratio_to_unique']:>6.2f} {t['ids_per_s'] / 1e6:>8.1f} "
+            f"{t['speedup_vs_bagpipe']:>9.1f}"
+        )
+    print(f"\nMachine: {report['machine']['cpu']}, {report['machine']['cores']} cores")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("results/oracle"))
+    parser.add_argument("--scale", type=float, default=0.1, help="table size factor")
+    parser.add_argument("--zipf", type=float, default=1.1)
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cache-fractions", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.05, 0.10]
+    )
+    parser.add_argument("--lookaheads", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--prefetch-distance", type=int, default=1)
+    parser.add_argument("--tp-rows", type=int, default=2_000_000)
+    parser.add_argument("--tp-batch", type=int, default=65_536)
+    parser.add_argument("--tp-batches", type=int, default=100)
+    parser.add_argument("--tp-cache-fraction", type=float, default=0.05)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    report = {"config": vars(args) | {"out": str(args.out)}, "machine": machine()}
+    report["misses"] = miss_table(args)
+    report["throughput"] = throughput(args)
+    report["seconds"] = time.perf_counter() - start
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    plot(report, args.out / "misses.png")
+    print_tables(report)
+    print(
+        f"Wrote {args.out / 'report.json'} and {args.out / 'misses.png'} "
+        f"in {report['seconds']:.0f} s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The benchmark scripts run end to end (at toy sizes) and write what they promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "oracle.py"), "--out", str(tmp_path),
+           "--scale", "0.002", "--batch-size", "256", "--steps", "20",
+           "--cache-fractions", "0.01", "0.1", "--lookaheads", "2", "--tp-rows", "20000",
+           "--tp-batch", "4096", "--tp-batches", "4", "--repeats", "1"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "MIN" in out and "Planning speed" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (tmp_path / "misses.png").stat().st_size > 0
+    results = report["misses"]["results"]
+    assert {r["policy"] for r in results} == {"LRU", "LFU", "oracle L=2", "MIN"}
+    for fraction in (0.01, 0.1):
+        by_policy = {r["policy"]: r["misses"] for r in results if r["cache_fraction"] == fraction}
+        assert by_policy["MIN"] <= min(by_policy.values())
+        assert by_policy["MIN"] >= report["misses"]["compulsory_misses"]
+    assert report["throughput"][0]["ids_per_s"] > 0
