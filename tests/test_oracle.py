@@ -184,3 +184,22 @@ def test_ids_beyond_the_first_batches_grow_the_tables_when_num_rows_is_unknown()
     oracle = OracleCacher(capacity=4, lookahead=1, prefetch_distance=1)
     plans = list(oracle.plan(batches))
     replay(batches, plans, oracle.flush(), 4, 1)
+
+
+def test_prepare_checks_without_changing_anything() -> None:
+    batches = [np.array([1, 2]), np.array([3, 3, 4]), np.array([2, 5])]
+    oracle = OracleCacher(capacity=4, lookahead=1, prefetch_distance=1, num_rows=10)
+    plans = [p for p in [oracle.push(batches[0])] if p]
+    prepared = oracle.prepare(batches[1])
+    with pytest.raises(ValueError, match="a capacity of at least 5"):
+        oracle.prepare(np.array([5, 6, 7]))
+    oracle.prepare(np.array([9]))  # checked, never pushed: no trace
+    plans += [p for p in [oracle.push(prepared)] if p]
+    with pytest.raises(ValueError, match="prepared for step 1 cannot enter at step 2"):
+        oracle.push(prepared)
+    with pytest.raises(ValueError, match="another oracle"):
+        OracleCacher(4, 1, 1).push(oracle.prepare(batches[2]))
+    plans += [p for p in [oracle.push(batches[2])] if p] + oracle.finish()
+    clean = list(OracleCacher(4, 1, 1, 10).plan(batches))
+    assert [p.fetch_ids.tolist() for p in plans] == [p.fetch_ids.tolist() for p in clean]
+    assert [p.slots.tolist() for p in plans] == [p.slots.tolist() for p in clean]

@@ -35,7 +35,7 @@ import numpy as np
 
 from torchrec_lookahead.slots import SlotTable, largest_keys
 
-__all__ = ["CachePlan", "OracleCacher", "as_id_array"]
+__all__ = ["CachePlan", "OracleCacher", "PreparedBatch", "as_id_array"]
 
 _NEVER = np.iinfo(np.int32).max  # next use of a row with no use in the window
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -59,6 +59,19 @@ class CachePlan:
     @property
     def num_misses(self) -> int:
         return len(self.fetch_ids)
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A batch checked by :meth:`OracleCacher.prepare`, ready to ``push``."""
+
+    oracle: OracleCacher
+    step: int
+    ids: np.ndarray
+    unique: np.ndarray
+    unique_pos: np.ndarray  # global positions of one occurrence of each distinct id
+    unique_prev: np.ndarray  # each distinct id's latest earlier position (-1: none)
+    pinned_rows: int  # distinct ids of steps step-d..step
 
 
 @dataclass
@@ -167,16 +180,54 @@ class OracleCacher:
                 yield ready
         yield from self.finish()
 
-    def push(self, batch: Any) -> CachePlan | None:
-        """Let the next batch into the window; returns ``plan(step - L)`` once it is due.
+    def prepare(self, batch: Any) -> PreparedBatch:
+        """Check the next batch without letting it in; ``push`` it afterwards.
 
-        Raises ``ValueError`` (and changes nothing) for bad ids or when the
-        rows of steps ``step-d..step`` cannot all be resident at once.
+        Raises ``ValueError`` for bad ids or when the rows of steps
+        ``step-d..step`` cannot all be resident at once. Changes nothing, so a
+        caller planning several tables can check all of them before any moves.
         """
         step = self.steps_pushed
         ids = as_id_array(batch, step, self.num_rows)
-        self._enter(step, ids)
-        if step - self.lookahead >= self._next_plan:
+        self._grow_rows(ids)
+        # Distinct rows of steps step-d..step, from those of step-1-d..step-1: rows of
+        # step-1-d not used again by step-1 leave, rows of this batch not among them join.
+        d = self.prefetch_distance
+        pin_start = self._start_of(step - d)
+        leaving = 0
+        if step - d - 1 >= 0:
+            old = self._window[step - d - 1 - self._window[0].step].unique
+            leaving = int(np.count_nonzero(self._last_occ[old] < pin_start))
+
+        positions = np.arange(self._head, self._head + len(ids))
+        previous = self._last_occ[ids]
+        self._last_occ[ids] = positions
+        is_rep = self._last_occ[ids] == positions  # exactly one position per distinct id wins
+        self._last_occ[ids] = previous  # leave no trace until push
+        unique_prev = previous[is_rep]
+        pinned = self._pinned_rows + int(np.count_nonzero(unique_prev < pin_start)) - leaving
+        if pinned > self.capacity:
+            raise ValueError(
+                f"step {step}: steps {max(step - d, 0)}..{step} use {pinned} distinct rows, "
+                f"which must be resident together (prefetch_distance={d}), but the cache "
+                f"has {self.capacity} slots; a capacity of at least {pinned} is needed"
+            )
+        return PreparedBatch(self, step, ids, ids[is_rep], positions[is_rep], unique_prev, pinned)
+
+    def push(self, batch: Any) -> CachePlan | None:
+        """Let the next batch into the window; returns ``plan(step - L)`` once it is due.
+
+        ``batch`` is an array of ids (checked as by ``prepare``) or the result
+        of ``prepare`` for this very step.
+        """
+        prepared = batch if isinstance(batch, PreparedBatch) else self.prepare(batch)
+        if prepared.oracle is not self or prepared.step != self.steps_pushed:
+            raise ValueError(
+                f"a batch prepared for step {prepared.step} cannot enter at step "
+                f"{self.steps_pushed} (or it was prepared by another oracle)"
+            )
+        self._enter(prepared)
+        if prepared.step - self.lookahead >= self._next_plan:
             return self._emit()
         return None
 
@@ -223,48 +274,23 @@ class OracleCacher:
             return self._head
         return self._window[step - first].start
 
-    def _enter(self, step: int, ids: np.ndarray) -> None:
-        self._grow_rows(ids)
-        # Distinct rows of steps step-d..step, from those of step-1-d..step-1: rows of
-        # step-1-d not used again by step-1 leave, rows of this batch not among them join.
-        d = self.prefetch_distance
-        pin_start = self._start_of(step - d)
-        leaving = 0
-        if step - d - 1 >= 0:
-            old = self._window[step - d - 1 - self._window[0].step].unique
-            leaving = int(np.count_nonzero(self._last_occ[old] < pin_start))
-
-        start = self._head
-        positions = np.arange(start, start + len(ids))
-        previous = self._last_occ[ids]
-        self._last_occ[ids] = positions
-        is_rep = self._last_occ[ids] == positions  # exactly one position per distinct id wins
-        unique, unique_pos, unique_prev = ids[is_rep], positions[is_rep], previous[is_rep]
-        joining = int(np.count_nonzero(unique_prev < pin_start))
-        pinned = self._pinned_rows + joining - leaving
-        if pinned > self.capacity:
-            self._last_occ[ids] = previous  # undo: the batch never entered
-            raise ValueError(
-                f"step {step}: steps {max(step - d, 0)}..{step} use {pinned} distinct rows, "
-                f"which must be resident together (prefetch_distance={d}), but the cache "
-                f"has {self.capacity} slots; a capacity of at least {pinned} is needed"
-            )
-        self._pinned_rows = pinned
-
-        # Commit: record the occurrences, link earlier ones still to be planned.
+    def _enter(self, batch: PreparedBatch) -> None:
+        step, ids = batch.step, batch.ids
+        self._last_occ[batch.unique] = batch.unique_pos
+        self._pinned_rows = batch.pinned_rows
+        # Record the occurrences; link earlier ones of the same rows still to be planned.
         self._reserve_ring(len(ids))
         ring = len(self._occ_next)
-        self._occ_next[positions % ring] = _NEVER
-        unplanned_from = self._start_of(self._next_plan)
-        linked = unique_prev >= unplanned_from
-        self._occ_next[unique_prev[linked] % ring] = step
+        self._occ_next[np.arange(self._head, self._head + len(ids)) % ring] = _NEVER
+        linked = batch.unique_prev >= self._start_of(self._next_plan)
+        self._occ_next[batch.unique_prev[linked] % ring] = step
         # Resident rows whose last planned use had no known successor: now it is this step.
-        slots = self._slots.slot_of_id[unique]
+        slots = self._slots.slot_of_id[batch.unique]
         slots = slots[slots >= 0]
         self._next_use[slots] = np.minimum(self._next_use[slots], step)
 
+        self._window.append(_WindowBatch(step, ids, self._head, batch.unique, batch.unique_pos))
         self._head += len(ids)
-        self._window.append(_WindowBatch(step, ids, start, unique, unique_pos))
         self._trim_window()
 
     def _reserve_ring(self, incoming: int) -> None:
