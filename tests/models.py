@@ -1,0 +1,212 @@
+"""A small two-module recommendation model, its all-resident twin, and data for it."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.optim import SGD, Adagrad, RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.data import SyntheticCriteo
+
+# Tables of different sizes and dims; t0 serves two features; w0 is weighted.
+UNWEIGHTED = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=4000, feature_names=["f0", "f1"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=1500, feature_names=["f2"]),
+    EmbeddingBagConfig(name="t2", embedding_dim=16, num_embeddings=10000, feature_names=["f3"]),
+]
+WEIGHTED = [
+    EmbeddingBagConfig(name="w0", embedding_dim=8, num_embeddings=3000, feature_names=["g0"]),
+]
+KEYS = ["f0", "f1", "f2", "f3", "g0"]
+ROWS = [4000, 4000, 1500, 10000, 3000]
+DENSE = 4
+
+OPTIMIZERS = {
+    "sgd": (SGD, EmbOptimType.EXACT_SGD),
+    "adagrad": (Adagrad, EmbOptimType.EXACT_ADAGRAD),
+    "rowwise_adagrad": (RowWiseAdagrad, EmbOptimType.EXACT_ROWWISE_ADAGRAD),
+}
+LR = 0.05
+
+
+def batches(num: int, batch_size: int = 32, seed: int = 0) -> list[Batch]:
+    """Skewed ids, Poisson bag sizes (empty bags, repeated ids in a bag), weighted g0."""
+    data = SyntheticCriteo(table_sizes=ROWS, zipf_exponent=1.05, pooling_factor=2.0, seed=seed)
+    out = []
+    for step in range(num):
+        sparse = data.batch(step, batch_size)
+        rng = np.random.default_rng([seed, step, 1])
+        values = np.concatenate(sparse.values)
+        weights = np.ones(len(values), dtype=np.float32)
+        g0 = int(sparse.lengths[-1].sum())
+        if g0:
+            weights[-g0:] = rng.uniform(0.5, 1.5, g0)
+        dense = rng.standard_normal((batch_size, DENSE)).astype(np.float32)
+        labels = (rng.random(batch_size) < 0.3).astype(np.int64)
+        out.append(
+            Batch(
+                dense_features=torch.from_numpy(dense),
+                sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                    keys=KEYS,
+                    values=torch.from_numpy(values),
+                    lengths=torch.from_numpy(sparse.lengths.reshape(-1)),
+                    weights=torch.from_numpy(weights),
+                ),
+                labels=torch.from_numpy(labels),
+            )
+        )
+    return out
+
+
+class TwoModuleModel(nn.Module):
+    """Pooled embeddings of both modules and the dense features into a logistic layer."""
+
+    def __init__(self, unweighted: nn.Module, weighted: nn.Module) -> None:
+        super().__init__()
+        self.unweighted = unweighted
+        self.weighted = weighted
+        width = sum(len(t.feature_names) * t.embedding_dim for t in UNWEIGHTED + WEIGHTED)
+        torch.manual_seed(0)
+        self.over = nn.Linear(width + DENSE, 1)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled = [
+            self.unweighted(batch.sparse_features).values(),
+            self.weighted(batch.sparse_features).values(),
+            batch.dense_features,
+        ]
+        logits = self.over(torch.cat(pooled, dim=1)).squeeze(1)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels.float())
+        return loss, logits.detach()
+
+
+class FullTableTBE(nn.Module):
+    """The all-resident reference: one FBGEMM TBE over the full tables, fused optimizer."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbOptimType, weighted: bool):
+        super().__init__()
+        self.features = [f for t in tables for f in t.feature_names]
+        self.weighted = weighted
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[
+                (t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
+                for t in tables
+            ],
+            feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
+            optimizer=optimizer,
+            learning_rate=LR,
+        )
+
+    def forward(self, features: KeyedJaggedTensor):
+        features = features.permute([features.keys().index(f) for f in self.features])
+        weights = features.weights() if self.weighted else None
+        pooled = self.tbe(features.values(), features.offsets(), per_sample_weights=weights)
+        return _Values(pooled)
+
+
+class _Values:
+    def __init__(self, values: torch.Tensor) -> None:
+        self._values = values
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+
+def lookahead_model(optimizer: str, **cache: object) -> TwoModuleModel:
+    """The model with lookahead-cached modules; ``cache_rows`` may name tables of both."""
+
+    def settings(tables: list[EmbeddingBagConfig]) -> dict[str, object]:
+        if "cache_rows" not in cache:
+            return cache
+        names = {t.name for t in tables}
+        return cache | {"cache_rows": {k: v for k, v in cache["cache_rows"].items() if k in names}}
+
+    model = TwoModuleModel(
+        LookaheadEmbeddingBagCollection(UNWEIGHTED, **settings(UNWEIGHTED)),
+        LookaheadEmbeddingBagCollection(WEIGHTED, is_weighted=True, **settings(WEIGHTED)),
+    )
+    for module in (model.unweighted, model.weighted):
+        apply_optimizer_in_backward(OPTIMIZERS[optimizer][0], module.parameters(), {"lr": LR})
+    return model
+
+
+def reference_twin(model: TwoModuleModel, optimizer: str) -> TwoModuleModel:
+    """The same model (same initial weights) with all-resident fused TBE tables."""
+    fused = OPTIMIZERS[optimizer][1]
+    twin = TwoModuleModel(
+        FullTableTBE(UNWEIGHTED, fused, weighted=False), FullTableTBE(WEIGHTED, fused, True)
+    )
+    twin.over.load_state_dict(copy.deepcopy(model.over.state_dict()))
+    for source, target in ((model.unweighted, twin.unweighted), (model.weighted, twin.weighted)):
+        for config, weight in zip(
+            source.embedding_bag_configs(), target.tbe.split_embedding_weights()
+        ):
+            weight.copy_(source.embedding_bags[config.name].weight.detach())
+    return twin
+
+
+DENSE_LR = 0.1
+
+
+def train_reference(twin: TwoModuleModel, data: list[Batch]) -> list[torch.Tensor]:
+    """Plain training loop; returns each step's logits."""
+    dense = torch.optim.SGD(twin.over.parameters(), lr=DENSE_LR)
+    outputs = []
+    for batch in data:
+        dense.zero_grad()
+        loss, logits = twin(batch)
+        loss.backward()
+        dense.step()
+        outputs.append(logits)
+    return outputs
+
+
+def train_lookahead(model: TwoModuleModel, data, lookahead: int, prefetch_distance: int):
+    """Train through LookaheadTrainPipeline; returns (each step's logits, pipeline)."""
+    from torchrec_lookahead import LookaheadTrainPipeline
+
+    dense = torch.optim.SGD(model.over.parameters(), lr=DENSE_LR)
+    pipeline = LookaheadTrainPipeline(
+        model, dense, torch.device("cpu"), lookahead=lookahead, prefetch_distance=prefetch_distance
+    )
+    outputs, it = [], iter(data)
+    while True:
+        try:
+            outputs.append(pipeline.progress(it))
+        except StopIteration:
+            return outputs, pipeline
+
+
+def assert_same_training_state(model: TwoModuleModel, twin: TwoModuleModel) -> None:
+    """Every table, optimizer-state tensor and dense parameter equal, bitwise."""
+    for source, target in ((model.unweighted, twin.unweighted), (model.weighted, twin.weighted)):
+        state = source.state_dict()
+        reference = target.tbe.split_embedding_weights()
+        for config, weight in zip(source.embedding_bag_configs(), reference):
+            assert torch.equal(state[f"embedding_bags.{config.name}.weight"], weight), config.name
+        expected_states = target.tbe.split_optimizer_states()
+        got_states = source.optimizer_states()
+        assert len(got_states) == (len(expected_states) or len(got_states))
+        for got, expected in zip(got_states, expected_states):
+            assert len(got) == len(expected)
+            assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    for name, param in twin.over.named_parameters():
+        assert torch.equal(dict(model.over.named_parameters())[name], param), name
+
+
+DATA_KEYS_UNKNOWN_TO_MODEL = ["f0", "f1", "f2", "zz", "g0"]

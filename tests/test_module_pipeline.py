@@ -1,0 +1,141 @@
+"""LookaheadEmbeddingBagCollection and LookaheadTrainPipeline: checkpoints, errors, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import (
+    DATA_KEYS_UNKNOWN_TO_MODEL,
+    UNWEIGHTED,
+    assert_same_training_state,
+    batches,
+    lookahead_model,
+    reference_twin,
+    train_lookahead,
+    train_reference,
+)
+from torchrec.datasets.utils import Batch
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
+
+DATA = batches(40)
+
+
+def with_values(batch: Batch, values: torch.Tensor, keys: list[str] | None = None) -> Batch:
+    kjt = batch.sparse_features
+    return Batch(
+        dense_features=batch.dense_features,
+        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+            keys=keys or kjt.keys(), values=values, lengths=kjt.lengths(), weights=kjt.weights()
+        ),
+        labels=batch.labels,
+    )
+
+
+def test_state_dict_has_the_keys_and_shapes_of_embedding_bag_collection() -> None:
+    plain = EmbeddingBagCollection(UNWEIGHTED)
+    cached = LookaheadEmbeddingBagCollection(UNWEIGHTED, cache_load_factor=0.05)
+    assert {k: v.shape for k, v in plain.state_dict().items()} == {
+        k: v.shape for k, v in cached.state_dict().items()
+    }
+
+
+def test_load_state_dict_from_plain_torchrec_then_training_matches() -> None:
+    plain = EmbeddingBagCollection(UNWEIGHTED)
+    model = lookahead_model("rowwise_adagrad", cache_load_factor=0.1)
+    train_lookahead(model, DATA[:10], 4, 1)  # rows are cached and trained, then overwritten
+    model.unweighted.load_state_dict(plain.state_dict())
+    loaded = model.unweighted.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in plain.state_dict().items())
+    with torch.no_grad():
+        model.eval()
+        got = model.unweighted(DATA[0].sparse_features).values()
+        want = plain(DATA[0].sparse_features).values()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda v: torch.where(torch.arange(len(v)) == 3, -7, v), "negative id -7"),
+        (lambda v: torch.where(torch.arange(len(v)) == 0, 123_456, v), "id 123456 is out of range"),
+    ],
+)
+def test_bad_ids_are_refused_and_training_goes_on(corrupt, message) -> None:
+    model = lookahead_model("adagrad", cache_load_factor=0.1)
+    twin = reference_twin(model, "adagrad")
+    bad = with_values(DATA[5], corrupt(DATA[5].sparse_features.values()))
+    stream = DATA[:5] + [bad] + DATA[5:]
+    pipeline = LookaheadTrainPipeline(
+        model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu"), lookahead=3
+    )
+    it, outputs, errors = iter(stream), [], []
+    while True:
+        try:
+            outputs.append(pipeline.progress(it))
+        except StopIteration:
+            break
+        except ValueError as error:  # the caller drops the batch and goes on
+            errors.append(str(error))
+    assert len(errors) == 1 and message in errors[0]
+    expected = train_reference(twin, DATA)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected)) and len(outputs) == 40
+    assert_same_training_state(model, twin)
+
+
+def test_unknown_feature_key_is_refused() -> None:
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    odd = with_values(DATA[0], DATA[0].sparse_features.values(), DATA_KEYS_UNKNOWN_TO_MODEL)
+    pipeline = LookaheadTrainPipeline(
+        model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu"), lookahead=2
+    )
+    with pytest.raises(ValueError, match=r"features \['zz'\] that no embedding module knows"):
+        pipeline.progress(iter([odd]))
+
+
+def test_window_too_large_for_the_cache_is_refused_with_the_capacity_needed() -> None:
+    model = lookahead_model("sgd", cache_rows={"t1": 8})
+    pipeline = LookaheadTrainPipeline(
+        model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu"), lookahead=2
+    )
+    with pytest.raises(ValueError, match=r"cache has 8 slots; a capacity of at least \d+"):
+        pipeline.progress(iter(DATA))
+
+
+def test_training_forward_outside_the_pipeline_is_refused() -> None:
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    with pytest.raises(RuntimeError, match="LookaheadTrainPipeline"):
+        model(DATA[0])
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="cache_load_factor"):
+        LookaheadEmbeddingBagCollection(UNWEIGHTED, cache_load_factor=0)
+    with pytest.raises(ValueError, match="unknown tables"):
+        LookaheadEmbeddingBagCollection(UNWEIGHTED, cache_rows={"nope": 3})
+    model = lookahead_model("sgd")
+    with pytest.raises(ValueError, match="lookahead must be at least 1"):
+        LookaheadTrainPipeline(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               torch.device("cpu"), lookahead=0)  # fmt: skip
+    bare = LookaheadEmbeddingBagCollection(UNWEIGHTED)
+    with pytest.raises(ValueError, match="no fused optimizer"):
+        LookaheadTrainPipeline(bare, torch.optim.SGD([torch.zeros(1)], lr=0.1),
+                               torch.device("cpu"))  # fmt: skip
+
+
+def test_metrics_count_lookups_hits_and_moves() -> None:
+    model = lookahead_model("rowwise_adagrad", cache_load_factor=0.1)
+    _, pipeline = train_lookahead(model, DATA, 8, 1)
+    metrics = pipeline.cache_metrics()
+    assert set(metrics) == {"unweighted.t0", "unweighted.t1", "unweighted.t2", "weighted.w0",
+                            "total"}  # fmt: skip
+    total = metrics["total"]
+    assert total.lookups == sum(int(b.sparse_features.values().numel()) for b in DATA)
+    assert total.hits + total.misses == total.unique_ids
+    assert total.rows_fetched == total.misses
+    assert total.steps == 40 and 0 < total.hit_rate < 1
+    row_bytes = 4 * (8 + 1)  # t0: dim 8 weights + one row-wise Adagrad state
+    t0 = metrics["unweighted.t0"]
+    assert t0.bytes_moved == (t0.rows_fetched + t0.rows_written_back) * row_bytes

@@ -1,0 +1,45 @@
+"""Cache counters: what the cache did per table, and what the trainer waited for."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+__all__ = ["CacheMetrics"]
+
+
+@dataclass
+class CacheMetrics:
+    """Counters for one table, or summed over tables (``+``).
+
+    ``unique_ids`` counts distinct ids per step (summed over steps); a distinct
+    id is a hit when its row was resident at its step's issue point, else a
+    miss, fetched ahead of the step. ``wait_s`` is time the trainer spent
+    waiting for plans to land; ``plan_s`` time the oracle spent planning.
+    """
+
+    steps: int = 0
+    lookups: int = 0
+    unique_ids: int = 0
+    misses: int = 0
+    rows_fetched: int = 0
+    rows_written_back: int = 0
+    bytes_moved: int = 0
+    wait_s: float = 0.0
+    plan_s: float = 0.0
+
+    @property
+    def hits(self) -> int:
+        return self.unique_ids - self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.unique_ids if self.unique_ids else 0.0
+
+    def __add__(self, other: CacheMetrics) -> CacheMetrics:
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        summed["steps"] = max(self.steps, other.steps)
+        return CacheMetrics(**summed)
+
+    def as_dict(self) -> dict[str, float]:
+        """Every counter plus hits and hit rate, for loggers."""
+        return asdict(self) | {"hits": self.hits, "hit_rate": self.hit_rate}

@@ -1,0 +1,290 @@
+"""``LookaheadEmbeddingBagCollection``: an ``EmbeddingBagCollection`` whose rows are cached."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torchrec.distributed.utils import merge_fused_params, optimizer_type_to_emb_opt_type
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from torchrec_lookahead.cache import CacheTable
+from torchrec_lookahead.metrics import CacheMetrics
+from torchrec_lookahead.oracle import CachePlan, OracleCacher, PreparedBatch
+from torchrec_lookahead.store import HostStore
+
+__all__ = ["LookaheadEmbeddingBagCollection", "StepMoves"]
+
+_POOLING = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
+
+StepMoves = list[partial]  # the row moves of one step, run by the executor
+
+
+class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
+    """An ``EmbeddingBagCollection`` that trains through a small cache of its rows.
+
+    Built like an ``EmbeddingBagCollection`` plus cache settings. The full
+    tables stay in host memory as the module's parameters (the backing
+    store); a FBGEMM TBE of ``cache_rows`` slots per table on ``device`` does
+    the lookups and the fused optimizer update, and rows move between the two
+    (with their optimizer state) as the oracle plans. Training goes through
+    :class:`~torchrec_lookahead.pipeline.LookaheadTrainPipeline`, which owns
+    the lookahead window; in eval mode (or without grad) the module looks up
+    the current weights directly.
+
+    ``state_dict()`` writes the cache back first, so it holds the full,
+    current tables under the keys and shapes of ``EmbeddingBagCollection``;
+    ``load_state_dict()`` writes into the store and reloads the cached rows.
+
+    Args:
+        tables: as for ``EmbeddingBagCollection`` (FP32, SUM or MEAN pooling,
+            the same pooling for every table).
+        is_weighted: as for ``EmbeddingBagCollection``.
+        device: where the cache and the lookups live; the full tables are on
+            the host (or on ``meta`` when ``device`` is meta, for sharding).
+        cache_load_factor: cache slots per table as a share of its rows.
+        cache_rows: slots per table name, overriding ``cache_load_factor``.
+        fused_params: FBGEMM TBE settings (``optimizer``, ``learning_rate``,
+            ...), used where ``apply_optimizer_in_backward`` was not.
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: torch.device | None = None,
+        cache_load_factor: float = 0.1,
+        cache_rows: Mapping[str, int] | None = None,
+        fused_params: Mapping[str, Any] | None = None,
+    ) -> None:
+        compute = torch.device(device) if device is not None else torch.device("cpu")
+        host = compute if compute.type == "meta" else torch.device("cpu")
+        super().__init__(tables=tables, is_weighted=is_weighted, device=host)
+        self._device = compute
+        if not 0 < cache_load_factor <= 1:
+            raise ValueError(f"cache_load_factor must be in (0, 1], got {cache_load_factor}")
+        names = [t.name for t in tables]
+        unknown = sorted(set(cache_rows or {}) - set(names))
+        if unknown:
+            raise ValueError(f"cache_rows names unknown tables {unknown}; tables are {names}")
+        for name, rows in (cache_rows or {}).items():
+            if rows < 1:
+                raise ValueError(f"cache_rows[{name!r}] must be at least 1, got {rows}")
+        poolings = {t.pooling for t in tables}
+        if len(poolings) > 1 or not poolings <= set(_POOLING):
+            raise ValueError(f"tables must share one pooling, SUM or MEAN; got {poolings}")
+        self.cache_load_factor = cache_load_factor
+        self._cache_rows = dict(cache_rows or {})
+        self._fused_params = dict(fused_params or {})
+        self._pooling = _POOLING[poolings.pop()]
+        self._flat_features = [f for names in self._feature_names for f in names]
+        self._feature_tables = [t for t, names in enumerate(self._feature_names) for _ in names]
+        self._cache: CacheTable | None = None
+        self._oracles: list[OracleCacher] = []
+        self._slots: dict[int, torch.Tensor] = {}  # step -> slots of that step's ids
+        self._running: torch.Tensor | None = None  # slots of the step being run
+        self._dirty = False  # cache rows updated since the last write-back
+        self.metrics: list[CacheMetrics] = [CacheMetrics() for _ in tables]
+        self.register_load_state_dict_post_hook(lambda module, _: module._reload_cache())
+
+    # ------------------------------------------------------------ settings
+
+    def cache_rows(self) -> list[int]:
+        """Cache slots of each table."""
+        return [
+            min(
+                t.num_embeddings,
+                self._cache_rows.get(t.name, math.ceil(self.cache_load_factor * t.num_embeddings)),
+            )
+            for t in self._embedding_bag_configs
+        ]
+
+    @property
+    def feature_names(self) -> list[str]:
+        """Features in the order this module looks them up (grouped by table)."""
+        return list(self._flat_features)
+
+    def fused_config(self) -> dict[str, Any]:
+        """The TBE settings: ``fused_params`` merged with the in-backward optimizer."""
+        weights = [bag.weight for bag in self.embedding_bags.values()]
+        configured = {
+            (tuple(getattr(w, "_optimizer_classes", [])), repr(getattr(w, "_optimizer_kwargs", [])))
+            for w in weights
+        }
+        if len(configured) > 1:
+            raise ValueError("every table of one module must have the same fused optimizer")
+        params = dict(self._fused_params)
+        classes = getattr(weights[0], "_optimizer_classes", [])
+        if classes:
+            if len(classes) != 1:
+                raise ValueError(f"one optimizer per table is supported, got {classes}")
+            kwargs = dict(weights[0]._optimizer_kwargs[0])
+            kwargs.setdefault("optimizer", optimizer_type_to_emb_opt_type(classes[0]))
+            params = merge_fused_params(params, kwargs)
+        if "optimizer" not in params:
+            raise ValueError(
+                "no fused optimizer: call apply_optimizer_in_backward on the module's parameters "
+                "or pass fused_params={'optimizer': EmbOptimType..., 'learning_rate': ...}"
+            )
+        return params
+
+    # ----------------------------------------------- driven by the pipeline
+
+    def attach(self, lookahead: int, prefetch_distance: int) -> None:
+        """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""
+        if self._device.type == "meta":
+            raise ValueError("a module on the meta device must be sharded (DMP) before training")
+        if self._cache is None:
+            params = self.fused_config()
+            optimizer = params.pop("optimizer")
+            if self._device.type == "cuda":
+                for bag in self.embedding_bags.values():
+                    bag.weight.data = bag.weight.data.pin_memory()
+            store = HostStore([bag.weight for bag in self.embedding_bags.values()],
+                              pin=self._device.type == "cuda")  # fmt: skip
+            self._cache = CacheTable(
+                self.cache_rows(),
+                [t.embedding_dim for t in self._embedding_bag_configs],
+                self._feature_tables,
+                optimizer,
+                store,
+                self._device,
+                self._pooling,
+                params,
+            )
+            store.allocate_states(self._cache.state_shapes())
+        else:
+            self.write_back()
+            self._cache.clear()
+        rows = [t.num_embeddings for t in self._embedding_bag_configs]
+        self._oracles = [
+            OracleCacher(capacity, lookahead, prefetch_distance, num_rows=n)
+            for capacity, n in zip(self.cache_rows(), rows)
+        ]
+        self._slots.clear()
+
+    def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """This module's features of ``features``, in lookup order."""
+        keys = features.keys()
+        if keys == self._flat_features:
+            return features
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self._flat_features if f not in index]
+        if missing:
+            raise ValueError(f"features {missing} are missing from the batch (it has {keys})")
+        return features.permute([index[f] for f in self._flat_features])
+
+    def prepare(self, features: KeyedJaggedTensor) -> list[PreparedBatch]:
+        """Check a batch for every table (ids, keys, capacity) without changing anything."""
+        ids = self._table_ids(self.select(features))
+        return [oracle.prepare(table_ids) for oracle, table_ids in zip(self._oracles, ids)]
+
+    def enter(self, prepared: list[PreparedBatch]) -> tuple[int, StepMoves] | None:
+        """A prepared batch enters the window; returns the moves of a step now planned."""
+        for metrics, batch in zip(self.metrics, prepared):
+            metrics.lookups += len(batch.ids)
+            metrics.unique_ids += len(batch.unique)
+        plans = [oracle.push(batch) for oracle, batch in zip(self._oracles, prepared)]
+        return self._planned(plans)
+
+    def finish(self) -> list[tuple[int, StepMoves]]:
+        """End of the data: the steps still to plan, with shorter windows."""
+        remaining = [oracle.finish() for oracle in self._oracles]
+        return [self._planned(list(step)) for step in zip(*remaining)]
+
+    def begin_step(self, step: int) -> None:
+        """The next forward runs step ``step``."""
+        self._running = self._slots.pop(step)
+
+    def write_back(self) -> None:
+        """Write updated cache rows back to the store (the rows stay cached)."""
+        if self._cache is not None and self._dirty:
+            self._cache.write_back_all()
+            self._dirty = False
+
+    # -------------------------------------------------------------- module
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if self._running is None:
+            if self.training and torch.is_grad_enabled():
+                raise RuntimeError(
+                    "LookaheadEmbeddingBagCollection trains through LookaheadTrainPipeline; "
+                    "call it directly only in eval mode or under torch.no_grad()"
+                )
+            self.write_back()
+            return self._move(super().forward(self.select(features).to(torch.device("cpu"))))
+        slots, self._running = self._running, None
+        features = self.select(features)
+        if slots.numel() != features.values().numel():
+            raise RuntimeError(
+                f"the batch has {features.values().numel()} ids but its plan has "
+                f"{slots.numel()}: forward must run the batches in the order they were planned"
+            )
+        pooled = self._cache.forward(
+            slots,
+            features.offsets().to(self._device),
+            features.weights().to(self._device) if self._is_weighted else None,
+        )
+        self._dirty = True
+        return KeyedTensor(
+            keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
+        )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.write_back()
+        return super().state_dict(*args, **kwargs)
+
+    def optimizer_states(self) -> list[list[torch.Tensor]]:
+        """Per table, the full optimizer state tensors (cache written back first)."""
+        self.write_back()
+        return [list(s) for s in self._cache.store.states] if self._cache else []
+
+    # ------------------------------------------------------------ internals
+
+    def _table_ids(self, features: KeyedJaggedTensor) -> list[np.ndarray]:
+        values = features.values().cpu().numpy()
+        per_feature = features.length_per_key()
+        bounds = np.cumsum([0] + per_feature)
+        per_table = np.zeros(len(self._embedding_bag_configs) + 1, dtype=np.int64)
+        np.add.at(per_table, np.array(self._feature_tables) + 1, per_feature)
+        edges = np.cumsum(per_table)
+        assert edges[-1] == bounds[-1]
+        return [values[edges[t] : edges[t + 1]] for t in range(len(edges) - 1)]
+
+    def _planned(self, plans: list[CachePlan | None]) -> tuple[int, StepMoves] | None:
+        if not plans or plans[0] is None:
+            return None
+        step = plans[0].step
+        self._slots[step] = torch.from_numpy(np.concatenate([p.slots for p in plans])).to(
+            self._device
+        )
+        moves = []
+        for t, (plan, metrics) in enumerate(zip(plans, self.metrics)):
+            metrics.steps += 1
+            metrics.misses += plan.num_misses
+            metrics.rows_fetched += len(plan.fetch_ids)
+            metrics.rows_written_back += len(plan.evict_ids)
+            metrics.bytes_moved += (len(plan.fetch_ids) + len(plan.evict_ids)) * (
+                self._cache.store.bytes_per_row(t)
+            )
+            if len(plan.fetch_ids) or len(plan.evict_ids):
+                moves.append(partial(self._cache.apply, t, plan))
+        return step, moves
+
+    def _move(self, pooled: KeyedTensor) -> KeyedTensor:
+        return KeyedTensor(
+            keys=pooled.keys(),
+            length_per_key=pooled.length_per_key(),
+            values=pooled.values().to(self._device),
+        )
+
+    def _reload_cache(self) -> None:
+        if self._cache is not None:
+            self._cache.refresh()

@@ -1,0 +1,156 @@
+"""``LookaheadTrainPipeline``: TorchRec's train-pipeline contract with a lookahead window."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from torchrec_lookahead.executor import PlanExecutor
+from torchrec_lookahead.metrics import CacheMetrics
+from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection, StepMoves
+
+__all__ = ["LookaheadTrainPipeline"]
+
+
+class LookaheadTrainPipeline(TrainPipeline):
+    """Trains a model holding ``LookaheadEmbeddingBagCollection``s, one batch per ``progress``.
+
+    It reads ``lookahead + prefetch_distance`` batches ahead of the step it
+    runs. Each batch entering the window is planned by every table's oracle;
+    the row moves of step ``s`` are handed to a background executor at the
+    start of step ``s - prefetch_distance`` and step ``s`` waits only until
+    they have landed. The model is called as TorchRec's pipelines call it:
+    ``losses, output = model(batch)``, then backward and ``optimizer.step()``
+    (the embedding update is fused into the backward). Batches carry their
+    sparse features as ``batch.sparse_features`` (a ``KeyedJaggedTensor``), as
+    ``torchrec.datasets.utils.Batch`` does.
+
+    A batch that cannot be planned (unknown feature, bad id, a window that
+    does not fit a cache) raises ``ValueError`` from ``progress`` before any
+    state changes; the batch is dropped and training can go on.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        lookahead: int = 16,
+        prefetch_distance: int = 1,
+    ) -> None:
+        super().__init__()
+        if lookahead < 1:
+            raise ValueError(f"lookahead must be at least 1, got {lookahead}")
+        if prefetch_distance < 0:
+            raise ValueError(f"prefetch_distance must be >= 0, got {prefetch_distance}")
+        self._model = model
+        self._optimizer = optimizer
+        self._device = device
+        self.lookahead = lookahead
+        self.prefetch_distance = prefetch_distance
+        self._cached = [
+            m for m in model.modules() if isinstance(m, LookaheadEmbeddingBagCollection)
+        ]
+        if not self._cached:
+            raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
+        self._known_features = {
+            f
+            for m in model.modules()
+            if isinstance(m, EmbeddingBagCollection)
+            for names in m._feature_names
+            for f in names
+        }
+        for module in self._cached:
+            module.attach(lookahead, prefetch_distance)
+        self._window: deque[Any] = deque()  # batches entered, not yet run
+        self._moves: dict[int, StepMoves] = {}  # planned steps not yet issued
+        self._next_step = 0  # the step progress() runs next
+        self._issued = 0  # steps whose moves went to the executor
+        self._data_done = False
+        self._executor = PlanExecutor(device)
+        self.timings = {"plan_s": 0.0, "wait_s": 0.0, "compute_s": 0.0}
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        self._fill(dataloader_iter)
+        if not self._window:
+            for module in self._cached:
+                module.write_back()
+            raise StopIteration
+        step = self._next_step
+        self._issue(through=step + self.prefetch_distance)
+        self.timings["wait_s"] += self._executor.wait(step)
+        batch = self._window.popleft()
+        self._next_step += 1
+
+        start = time.perf_counter()
+        for module in self._cached:
+            module.begin_step(step)
+        if self._model.training:
+            self._optimizer.zero_grad()
+        losses, output = self._model(batch)
+        if self._model.training:
+            torch.sum(losses, dim=0).backward()
+            self._optimizer.step()
+        self.timings["compute_s"] += time.perf_counter() - start
+        return output
+
+    def cache_metrics(self) -> dict[str, CacheMetrics]:
+        """Counters per table (``module_path.table``) and their sum under ``"total"``."""
+        named = {id(m): name for name, m in self._model.named_modules()}
+        per_table = {
+            f"{named[id(m)]}.{config.name}".lstrip("."): metrics
+            for m in self._cached
+            for config, metrics in zip(m.embedding_bag_configs(), m.metrics)
+        }
+        total = sum(per_table.values(), CacheMetrics())
+        total.wait_s, total.plan_s = self.timings["wait_s"], self.timings["plan_s"]
+        return per_table | {"total": total}
+
+    def close(self) -> None:
+        """Stop the executor thread (after the moves already issued)."""
+        self._executor.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _fill(self, dataloader_iter: Iterator[Any]) -> None:
+        """Read batches until the window holds steps ``next .. next + L + d``."""
+        while not self._data_done and len(self._window) <= self.lookahead + self.prefetch_distance:
+            try:
+                batch = next(dataloader_iter)
+            except StopIteration:
+                self._data_done = True
+                start = time.perf_counter()
+                for module in self._cached:
+                    for step, moves in module.finish():
+                        self._moves.setdefault(step, []).extend(moves)
+                self.timings["plan_s"] += time.perf_counter() - start
+                break
+            batch = batch.to(self._device, non_blocking=True)
+            self._enter(batch)
+            self._window.append(batch)
+
+    def _enter(self, batch: Any) -> None:
+        start = time.perf_counter()
+        features = batch.sparse_features
+        unknown = [k for k in features.keys() if k not in self._known_features]
+        if unknown:
+            raise ValueError(f"the batch has features {unknown} that no embedding module knows")
+        prepared = [module.prepare(features) for module in self._cached]  # may raise
+        for module, tables in zip(self._cached, prepared):
+            planned = module.enter(tables)
+            if planned is not None:
+                step, moves = planned
+                self._moves.setdefault(step, []).extend(moves)
+        self.timings["plan_s"] += time.perf_counter() - start
+
+    def _issue(self, through: int) -> None:
+        """Hand the moves of steps up to ``through`` to the executor (their issue points)."""
+        while self._issued <= through and self._issued in self._moves:
+            self._executor.submit(self._issued, self._moves.pop(self._issued))
+            self._issued += 1

@@ -1,0 +1,58 @@
+"""Backing stores: the full tables and their optimizer state, off the compute device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["HostStore"]
+
+
+class HostStore:
+    """Every row of every table, with its optimizer state, in host memory.
+
+    The weight tensors are the module's own full-table parameters (shared, not
+    copied), so ``state_dict()`` reads the store directly once the cache has
+    been written back. Optimizer state is allocated when the fused optimizer
+    is known (:meth:`allocate_states`), zero like FBGEMM's. With a CUDA cache,
+    the tensors are pinned so that copies to and from the device can be async.
+    """
+
+    def __init__(self, weights: Sequence[torch.Tensor], pin: bool = False) -> None:
+        self.weights = [w.detach() for w in weights]  # pinned by the owner when ``pin``
+        self.states: list[list[torch.Tensor]] = [[] for _ in self.weights]
+        self._pin = pin
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.weights)
+
+    def allocate_states(self, shapes: Sequence[Sequence[torch.Size]]) -> None:
+        """Zero optimizer state per table; ``shapes[t]`` are its per-row state shapes."""
+        self.states = [
+            [
+                torch.zeros((len(w), *shape), dtype=torch.float32, pin_memory=self._pin)
+                for shape in table_shapes
+            ]
+            for w, table_shapes in zip(self.weights, shapes)
+        ]
+
+    def gather(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Rows ``ids`` of ``table``: weights and optimizer state (copies)."""
+        return (
+            self.weights[table].index_select(0, ids),
+            [s.index_select(0, ids) for s in self.states[table]],
+        )
+
+    def scatter(
+        self, table: int, ids: torch.Tensor, weights: torch.Tensor, states: Sequence[torch.Tensor]
+    ) -> None:
+        """Overwrite rows ``ids`` of ``table`` with ``weights`` and optimizer ``states``."""
+        self.weights[table].index_copy_(0, ids, weights)
+        for dst, src in zip(self.states[table], states):
+            dst.index_copy_(0, ids, src)
+
+    def bytes_per_row(self, table: int) -> int:
+        row = self.weights[table][0].numel() + sum(s[0].numel() for s in self.states[table])
+        return 4 * row
