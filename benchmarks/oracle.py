@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
+from common import machine, pinned_rows_needed
 from tqdm import tqdm
 
 from torchrec_lookahead import OracleCacher
@@ -27,32 +26,6 @@ from torchrec_lookahead.data import SyntheticCriteo, ZipfSampler
 from torchrec_lookahead.simulate import lfu_misses, lru_misses, min_misses, oracle_misses
 
 BAGPIPE_IDS_PER_S = 16384 * 26 / 0.075  # Bagpipe's Python oracle, per its paper
-
-
-def machine() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "platform": platform.platform(),
-    }
-
-
-def pinned_rows_needed(stream: list[np.ndarray], prefetch_distance: int) -> int:
-    """Most distinct rows any d+1 consecutive steps use: the smallest workable cache."""
-    d = prefetch_distance
-    return max(
-        len(np.unique(np.concatenate(stream[max(0, s - d) : s + 1]))) for s in range(len(stream))
-    )
 
 
 def miss_table(args: argparse.Namespace) -> dict[str, object]:

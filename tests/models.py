@@ -8,11 +8,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -22,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.resident import FullyResidentEmbeddingBagCollection
 
 # Tables of different sizes and dims; t0 serves two features; w0 is weighted.
 UNWEIGHTED = [
@@ -95,38 +91,6 @@ class TwoModuleModel(nn.Module):
         return loss, logits.detach()
 
 
-class FullTableTBE(nn.Module):
-    """The all-resident reference: one FBGEMM TBE over the full tables, fused optimizer."""
-
-    def __init__(self, tables: list[EmbeddingBagConfig], optimizer: EmbOptimType, weighted: bool):
-        super().__init__()
-        self.features = [f for t in tables for f in t.feature_names]
-        self.weighted = weighted
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[
-                (t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
-                for t in tables
-            ],
-            feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
-            optimizer=optimizer,
-            learning_rate=LR,
-        )
-
-    def forward(self, features: KeyedJaggedTensor):
-        features = features.permute([features.keys().index(f) for f in self.features])
-        weights = features.weights() if self.weighted else None
-        pooled = self.tbe(features.values(), features.offsets(), per_sample_weights=weights)
-        return _Values(pooled)
-
-
-class _Values:
-    def __init__(self, values: torch.Tensor) -> None:
-        self._values = values
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-
 def lookahead_model(optimizer: str, **cache: object) -> TwoModuleModel:
     """The model with lookahead-cached modules; ``cache_rows`` may name tables of both."""
 
@@ -147,16 +111,12 @@ def lookahead_model(optimizer: str, **cache: object) -> TwoModuleModel:
 
 def reference_twin(model: TwoModuleModel, optimizer: str) -> TwoModuleModel:
     """The same model (same initial weights) with all-resident fused TBE tables."""
-    fused = OPTIMIZERS[optimizer][1]
+    fused = {"optimizer": OPTIMIZERS[optimizer][1], "learning_rate": LR}
     twin = TwoModuleModel(
-        FullTableTBE(UNWEIGHTED, fused, weighted=False), FullTableTBE(WEIGHTED, fused, True)
+        FullyResidentEmbeddingBagCollection(model.unweighted, fused),
+        FullyResidentEmbeddingBagCollection(model.weighted, fused),
     )
     twin.over.load_state_dict(copy.deepcopy(model.over.state_dict()))
-    for source, target in ((model.unweighted, twin.unweighted), (model.weighted, twin.weighted)):
-        for config, weight in zip(
-            source.embedding_bag_configs(), target.tbe.split_embedding_weights()
-        ):
-            weight.copy_(source.embedding_bags[config.name].weight.detach())
     return twin
 
 

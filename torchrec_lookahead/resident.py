@@ -1,0 +1,81 @@
+"""The all-resident limit: every row in one fused FBGEMM TBE, as TorchRec's fused kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+__all__ = ["FullyResidentEmbeddingBagCollection"]
+
+
+class FullyResidentEmbeddingBagCollection(nn.Module):
+    """An embedding-bag collection with every row resident in one fused FBGEMM TBE.
+
+    What lookahead caching is measured against: the same TBE kernels and
+    fused optimizer over the full tables, with nothing to move. It starts
+    from the weights of ``like`` (an ``EmbeddingBagCollection``, lookahead or
+    not) so that both train from the same point, and it quacks like one for
+    TorchRec models (``embedding_bag_configs()``, ``KeyedTensor`` output).
+
+    Args:
+        like: the collection whose tables, features and weights to copy.
+        fused_params: TBE settings including ``optimizer`` (for a lookahead
+            module, its ``fused_config()``).
+        device: where the tables live (CPU: host memory; CUDA: device memory).
+    """
+
+    def __init__(
+        self,
+        like: EmbeddingBagCollection,
+        fused_params: Mapping[str, Any],
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        device = device or torch.device("cpu")
+        self._configs: list[EmbeddingBagConfig] = like.embedding_bag_configs()
+        self._is_weighted = like.is_weighted()
+        self._features = [f for t in self._configs for f in t.feature_names]
+        self._dims = [t.embedding_dim for t in self._configs for _ in t.feature_names]
+        on_cuda = device.type == "cuda"
+        location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+        params = dict(fused_params)
+        pooling = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            embedding_specs=[
+                (t.num_embeddings, t.embedding_dim, location, compute) for t in self._configs
+            ],  # fmt: skip
+            feature_table_map=[i for i, t in enumerate(self._configs) for _ in t.feature_names],
+            optimizer=params.pop("optimizer"),
+            pooling_mode=pooling[self._configs[0].pooling],
+            device=device,
+            **params,
+        )
+        source = like.state_dict()
+        for config, weight in zip(self._configs, self.tbe.split_embedding_weights()):
+            weight.copy_(source[f"embedding_bags.{config.name}.weight"])
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        keys = features.keys()
+        if keys != self._features:
+            features = features.permute([keys.index(f) for f in self._features])
+        weights = features.weights() if self._is_weighted else None
+        pooled = self.tbe(features.values(), features.offsets(), per_sample_weights=weights)
+        return KeyedTensor(keys=self._features, length_per_key=self._dims, values=pooled)
