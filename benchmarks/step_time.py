@@ -101,7 +101,6 @@ def run_lookahead(model: DLRMTrain, batches: list, args: argparse.Namespace):
             parts.append({k: pipeline.timings[k] - before[k] for k in before})
             bar.update()
             bar.set_postfix(hit_rate=f"{pipeline.cache_metrics()['total'].hit_rate:.3f}")
-    pipeline.close()
     return times, parts, pipeline.cache_metrics()["total"]
 
 

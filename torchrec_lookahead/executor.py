@@ -57,9 +57,10 @@ class PlanExecutor:
         return time.perf_counter() - start
 
     def close(self) -> None:
-        """Finish the queued moves and stop the worker."""
-        self._jobs.put(None)
-        self._thread.join()
+        """Finish the queued moves and stop the worker (idempotent)."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:

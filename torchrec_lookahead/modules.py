@@ -249,13 +249,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     # ------------------------------------------------------------ internals
 
     def _table_ids(self, features: KeyedJaggedTensor) -> list[np.ndarray]:
+        # Features are grouped by table, so each table's ids are one slice of the values.
         values = features.values().cpu().numpy()
-        per_feature = features.length_per_key()
-        bounds = np.cumsum([0] + per_feature)
         per_table = np.zeros(len(self._embedding_bag_configs) + 1, dtype=np.int64)
-        np.add.at(per_table, np.array(self._feature_tables) + 1, per_feature)
+        np.add.at(per_table, np.array(self._feature_tables) + 1, features.length_per_key())
         edges = np.cumsum(per_table)
-        assert edges[-1] == bounds[-1]
         return [values[edges[t] : edges[t + 1]] for t in range(len(edges) - 1)]
 
     def _planned(self, plans: list[CachePlan | None]) -> tuple[int, StepMoves] | None:

@@ -60,11 +60,11 @@ class LookaheadTrainPipeline(TrainPipeline):
         if not self._cached:
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
         self._known_features = {
-            f
+            feature
             for m in model.modules()
             if isinstance(m, EmbeddingBagCollection)
-            for names in m._feature_names
-            for f in names
+            for config in m.embedding_bag_configs()
+            for feature in config.feature_names
         }
         for module in self._cached:
             module.attach(lookahead, prefetch_distance)
@@ -81,6 +81,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         if not self._window:
             for module in self._cached:
                 module.write_back()
+            self._executor.close()
             raise StopIteration
         step = self._next_step
         self._issue(through=step + self.prefetch_distance)
@@ -113,7 +114,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         return per_table | {"total": total}
 
     def close(self) -> None:
-        """Stop the executor thread (after the moves already issued)."""
+        """Stop the executor thread (after the moves already issued); done at the end of data."""
         self._executor.close()
 
     # ------------------------------------------------------------ internals

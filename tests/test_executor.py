@@ -1,0 +1,33 @@
+"""PlanExecutor: moves run in order in the background, and failures reach the trainer."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from torchrec_lookahead.executor import PlanExecutor
+
+
+def test_moves_run_in_submit_order_off_the_trainer_thread() -> None:
+    executor = PlanExecutor(torch.device("cpu"))
+    seen: list[tuple[int, str]] = []
+    for step in range(5):
+        executor.submit(step, [lambda s=step: seen.append((s, threading.current_thread().name))])
+    for step in range(5):
+        assert executor.wait(step) >= 0
+    executor.close()
+    executor.close()  # idempotent
+    assert [s for s, _ in seen] == list(range(5))
+    assert {name for _, name in seen} == {"lookahead-executor"}
+
+
+def test_a_failed_move_is_raised_by_wait() -> None:
+    executor = PlanExecutor(torch.device("cpu"))
+    executor.submit(0, [lambda: None])
+    executor.submit(1, [lambda: 1 / 0])
+    executor.wait(0)
+    with pytest.raises(RuntimeError, match="cache executor failed") as caught:
+        executor.wait(1)
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
