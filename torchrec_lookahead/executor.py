@@ -49,7 +49,7 @@ class PlanExecutor:
         with self._applied:
             while step not in self._done and self._error is None:
                 self._applied.wait()
-            if self._error is not None:
+            if step not in self._done:
                 raise RuntimeError("the cache executor failed") from self._error
             event = self._done.pop(step)
         if event is not None:
