@@ -121,9 +121,14 @@ class CacheTable:
 
     def _copy_out(self, table: int, ids: torch.Tensor, slots: torch.Tensor) -> None:
         on_device = slots.to(self.device)
-        weights = self._weights[table].index_select(0, on_device).cpu()
-        states = [s.index_select(0, on_device).cpu() for s in self._states[table]]
-        self.store.scatter(table, ids, weights, states)
+        rows = [t.index_select(0, on_device) for t in (self._weights[table], *self._states[table])]
+        if self.device.type == "cuda":  # through pinned staging buffers, then wait for them
+            staged = [self.store.staging(r) for r in rows]
+            for host, dev in zip(staged, rows):
+                host.copy_(dev, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            rows = staged
+        self.store.scatter(table, ids, rows[0], rows[1:])
 
     def _fetch(self, table: int, ids: np.ndarray, slots: np.ndarray) -> None:
         row_index = _as_index(ids, torch.device("cpu"))

@@ -39,11 +39,19 @@ class HostStore:
         ]
 
     def gather(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Rows ``ids`` of ``table``: weights and optimizer state (copies)."""
-        return (
-            self.weights[table].index_select(0, ids),
-            [s.index_select(0, ids) for s in self.states[table]],
-        )
+        """Rows ``ids`` of ``table``: weights and optimizer state, copied into new
+        buffers (pinned when the store is, so they can go to the device async)."""
+        return self._rows(self.weights[table], ids), [
+            self._rows(s, ids) for s in self.states[table]
+        ]
+
+    def staging(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty host buffer shaped like ``like``, pinned when the store is."""
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self._pin)
+
+    def _rows(self, source: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((len(ids), *source.shape[1:]), dtype=source.dtype, pin_memory=self._pin)
+        return torch.index_select(source, 0, ids, out=out)
 
     def scatter(
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, states: Sequence[torch.Tensor]
