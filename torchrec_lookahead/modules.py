@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.distributed.utils import merge_fused_params, optimizer_type_to_emb_opt_type
@@ -16,15 +14,14 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.cache import CacheTable
+from torchrec_lookahead.cached_tables import CachedTables, StepMoves
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.oracle import CachePlan, OracleCacher, PreparedBatch
+from torchrec_lookahead.oracle import PreparedBatch
 from torchrec_lookahead.store import HostStore
 
-__all__ = ["LookaheadEmbeddingBagCollection", "StepMoves"]
+__all__ = ["LookaheadEmbeddingBagCollection"]
 
 _POOLING = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
-
-StepMoves = list[partial]  # the row moves of one step, run by the executor
 
 
 class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
@@ -86,12 +83,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         self._pooling = _POOLING[poolings.pop()]
         self._flat_features = [f for names in self._feature_names for f in names]
         self._feature_tables = [t for t, names in enumerate(self._feature_names) for _ in names]
-        self._cache: CacheTable | None = None
-        self._oracles: list[OracleCacher] = []
-        self._slots: dict[int, torch.Tensor] = {}  # step -> slots of that step's ids
-        self._running: torch.Tensor | None = None  # slots of the step being run
-        self._dirty = False  # cache rows updated since the last write-back
-        self.metrics: list[CacheMetrics] = [CacheMetrics() for _ in tables]
+        self._cached: CachedTables | None = None  # built at the first attach
         self.register_load_state_dict_post_hook(lambda module, _: module._reload_cache())
 
     # ------------------------------------------------------------ settings
@@ -137,38 +129,20 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
 
     # ----------------------------------------------- driven by the pipeline
 
+    @property
+    def metrics(self) -> list[CacheMetrics]:
+        """Per-table counters (zero until training starts)."""
+        if self._cached is None:
+            return [CacheMetrics() for _ in self._embedding_bag_configs]
+        return self._cached.metrics
+
     def attach(self, lookahead: int, prefetch_distance: int) -> None:
         """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""
         if self._device.type == "meta":
             raise ValueError("a module on the meta device must be sharded (DMP) before training")
-        if self._cache is None:
-            params = self.fused_config()
-            optimizer = params.pop("optimizer")
-            if self._device.type == "cuda":
-                for bag in self.embedding_bags.values():
-                    bag.weight.data = bag.weight.data.pin_memory()
-            store = HostStore([bag.weight for bag in self.embedding_bags.values()],
-                              pin=self._device.type == "cuda")  # fmt: skip
-            self._cache = CacheTable(
-                self.cache_rows(),
-                [t.embedding_dim for t in self._embedding_bag_configs],
-                self._feature_tables,
-                optimizer,
-                store,
-                self._device,
-                self._pooling,
-                params,
-            )
-            store.allocate_states(self._cache.state_shapes())
-        else:
-            self.write_back()
-            self._cache.clear()
-        rows = [t.num_embeddings for t in self._embedding_bag_configs]
-        self._oracles = [
-            OracleCacher(capacity, lookahead, prefetch_distance, num_rows=n)
-            for capacity, n in zip(self.cache_rows(), rows)
-        ]
-        self._slots.clear()
+        if self._cached is None:
+            self._cached = self._build_cache()
+        self._cached.attach(lookahead, prefetch_distance)
 
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """This module's features of ``features``, in lookup order."""
@@ -182,57 +156,48 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         return features.permute([index[f] for f in self._flat_features])
 
     def prepare(self, features: KeyedJaggedTensor) -> list[PreparedBatch]:
-        """Check a batch for every table (ids, keys, capacity) without changing anything."""
-        ids = self._table_ids(self.select(features))
-        return [oracle.prepare(table_ids) for oracle, table_ids in zip(self._oracles, ids)]
+        """Check a batch for every table without changing anything (see ``CachedTables``)."""
+        return self._cached.prepare(self.select(features))
 
     def enter(self, prepared: list[PreparedBatch]) -> tuple[int, StepMoves] | None:
         """A prepared batch enters the window; returns the moves of a step now planned."""
-        for metrics, batch in zip(self.metrics, prepared):
-            metrics.lookups += len(batch.ids)
-            metrics.unique_ids += len(batch.unique)
-        plans = [oracle.push(batch) for oracle, batch in zip(self._oracles, prepared)]
-        return self._planned(plans)
+        return self._cached.enter(prepared)
 
     def finish(self) -> list[tuple[int, StepMoves]]:
         """End of the data: the steps still to plan, with shorter windows."""
-        remaining = [oracle.finish() for oracle in self._oracles]
-        return [self._planned(list(step)) for step in zip(*remaining)]
+        return self._cached.finish()
 
     def begin_step(self, step: int) -> None:
         """The next forward runs step ``step``."""
-        self._running = self._slots.pop(step)
+        self._cached.begin_step(step)
 
     def write_back(self) -> None:
         """Write updated cache rows back to the store (the rows stay cached)."""
-        if self._cache is not None and self._dirty:
-            self._cache.write_back_all()
-            self._dirty = False
+        if self._cached is not None:
+            self._cached.write_back()
 
     # -------------------------------------------------------------- module
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if self._running is None:
+        if self._cached is None or not self._cached.step_running:
             if self.training and torch.is_grad_enabled():
                 raise RuntimeError(
                     "LookaheadEmbeddingBagCollection trains through LookaheadTrainPipeline; "
                     "call it directly only in eval mode or under torch.no_grad()"
                 )
             self.write_back()
-            return self._move(super().forward(self.select(features).to(torch.device("cpu"))))
-        slots, self._running = self._running, None
-        features = self.select(features)
-        if slots.numel() != features.values().numel():
-            raise RuntimeError(
-                f"the batch has {features.values().numel()} ids but its plan has "
-                f"{slots.numel()}: forward must run the batches in the order they were planned"
+            pooled = super().forward(self.select(features).to(torch.device("cpu")))
+            return KeyedTensor(
+                keys=pooled.keys(),
+                length_per_key=pooled.length_per_key(),
+                values=pooled.values().to(self._device),
             )
-        pooled = self._cache.forward(
-            slots,
+        features = self.select(features)
+        pooled = self._cached.lookup(
             features.offsets().to(self._device),
+            features.values().numel(),
             features.weights().to(self._device) if self._is_weighted else None,
         )
-        self._dirty = True
         return KeyedTensor(
             keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
         )
@@ -244,45 +209,33 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def optimizer_states(self) -> list[list[torch.Tensor]]:
         """Per table, the full optimizer state tensors (cache written back first)."""
         self.write_back()
-        return [list(s) for s in self._cache.store.states] if self._cache else []
+        return [list(s) for s in self._cached.cache.store.states] if self._cached else []
 
     # ------------------------------------------------------------ internals
 
-    def _table_ids(self, features: KeyedJaggedTensor) -> list[np.ndarray]:
-        # Features are grouped by table, so each table's ids are one slice of the values.
-        values = features.values().cpu().numpy()
-        per_table = np.zeros(len(self._embedding_bag_configs) + 1, dtype=np.int64)
-        np.add.at(per_table, np.array(self._feature_tables) + 1, features.length_per_key())
-        edges = np.cumsum(per_table)
-        return [values[edges[t] : edges[t + 1]] for t in range(len(edges) - 1)]
-
-    def _planned(self, plans: list[CachePlan | None]) -> tuple[int, StepMoves] | None:
-        if not plans or plans[0] is None:
-            return None
-        step = plans[0].step
-        self._slots[step] = torch.from_numpy(np.concatenate([p.slots for p in plans])).to(
-            self._device
+    def _build_cache(self) -> CachedTables:
+        params = self.fused_config()
+        optimizer = params.pop("optimizer")
+        on_cuda = self._device.type == "cuda"
+        if on_cuda:
+            for bag in self.embedding_bags.values():
+                bag.weight.data = bag.weight.data.pin_memory()
+        store = HostStore([bag.weight for bag in self.embedding_bags.values()], pin=on_cuda)
+        cache = CacheTable(
+            self.cache_rows(),
+            [t.embedding_dim for t in self._embedding_bag_configs],
+            self._feature_tables,
+            optimizer,
+            store,
+            self._device,
+            self._pooling,
+            params,
         )
-        moves = []
-        for t, (plan, metrics) in enumerate(zip(plans, self.metrics)):
-            metrics.steps += 1
-            metrics.misses += plan.num_misses
-            metrics.rows_fetched += len(plan.fetch_ids)
-            metrics.rows_written_back += len(plan.evict_ids)
-            metrics.bytes_moved += (len(plan.fetch_ids) + len(plan.evict_ids)) * (
-                self._cache.store.bytes_per_row(t)
-            )
-            if len(plan.fetch_ids) or len(plan.evict_ids):
-                moves.append(partial(self._cache.apply, t, plan))
-        return step, moves
-
-    def _move(self, pooled: KeyedTensor) -> KeyedTensor:
-        return KeyedTensor(
-            keys=pooled.keys(),
-            length_per_key=pooled.length_per_key(),
-            values=pooled.values().to(self._device),
-        )
+        store.allocate_states(cache.state_shapes())
+        names = [t.name for t in self._embedding_bag_configs]
+        rows = [t.num_embeddings for t in self._embedding_bag_configs]
+        return CachedTables(names, rows, self._feature_tables, cache)
 
     def _reload_cache(self) -> None:
-        if self._cache is not None:
-            self._cache.refresh()
+        if self._cached is not None:
+            self._cached.cache.refresh()
