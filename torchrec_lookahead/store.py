@@ -15,13 +15,19 @@ class HostStore:
     The weight tensors are the module's own full-table parameters (shared, not
     copied), so ``state_dict()`` reads the store directly once the cache has
     been written back. Optimizer state is allocated when the fused optimizer
-    is known (:meth:`allocate_states`), zero like FBGEMM's. With a CUDA cache,
+    is known (:meth:`allocate_states`), zero like FBGEMM's, or wraps existing
+    state tensors (``states[t]``, per table). With a CUDA cache,
     the tensors are pinned so that copies to and from the device can be async.
     """
 
-    def __init__(self, weights: Sequence[torch.Tensor], pin: bool = False) -> None:
+    def __init__(
+        self,
+        weights: Sequence[torch.Tensor],
+        pin: bool = False,
+        states: Sequence[Sequence[torch.Tensor]] | None = None,
+    ) -> None:
         self.weights = [w.detach() for w in weights]  # pinned by the owner when ``pin``
-        self.states: list[list[torch.Tensor]] = [[] for _ in self.weights]
+        self.states = [[s.detach() for s in table] for table in states or [[]] * len(weights)]
         self._pin = pin
 
     @property
