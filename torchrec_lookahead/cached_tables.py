@@ -9,7 +9,9 @@ executor, ``begin_step`` before the step's forward, which calls ``lookup``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -20,9 +22,33 @@ from torchrec_lookahead.cache import CacheTable
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import CachePlan, OracleCacher, PreparedBatch
 
-__all__ = ["CachedTables", "StepMoves"]
+__all__ = ["CacheSizing", "CachedTables", "StepMoves"]
 
 StepMoves = list[partial]  # the row moves of one step, run by the executor
+
+
+@dataclass(frozen=True)
+class CacheSizing:
+    """How many cache slots a table (or a shard of it) gets.
+
+    ``cache_rows[name]`` (slots for the whole table) wins over
+    ``cache_load_factor`` (a share of the rows); a sharding plan's per-table
+    load factor wins over both. A shard gets its share of the table's slots.
+    """
+
+    cache_load_factor: float = 0.1
+    cache_rows: Mapping[str, int] = field(default_factory=dict)
+
+    def rows(
+        self, name: str, num_embeddings: int, local_rows: int, plan_load_factor: float | None = None
+    ) -> int:
+        if plan_load_factor is not None:
+            wanted = math.ceil(plan_load_factor * local_rows)
+        elif name in self.cache_rows:
+            wanted = math.ceil(self.cache_rows[name] * local_rows / num_embeddings)
+        else:
+            wanted = math.ceil(self.cache_load_factor * local_rows)
+        return max(1, min(local_rows, wanted))
 
 
 class CachedTables:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,7 +13,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead.cache import CacheTable
-from torchrec_lookahead.cached_tables import CachedTables, StepMoves
+from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import PreparedBatch
 from torchrec_lookahead.store import HostStore
@@ -77,8 +76,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         poolings = {t.pooling for t in tables}
         if len(poolings) > 1 or not poolings <= set(_POOLING):
             raise ValueError(f"tables must share one pooling, SUM or MEAN; got {poolings}")
-        self.cache_load_factor = cache_load_factor
-        self._cache_rows = dict(cache_rows or {})
+        self.sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}))
         self._fused_params = dict(fused_params or {})
         self._pooling = _POOLING[poolings.pop()]
         self._flat_features = [f for names in self._feature_names for f in names]
@@ -91,10 +89,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def cache_rows(self) -> list[int]:
         """Cache slots of each table."""
         return [
-            min(
-                t.num_embeddings,
-                self._cache_rows.get(t.name, math.ceil(self.cache_load_factor * t.num_embeddings)),
-            )
+            self.sizing.rows(t.name, t.num_embeddings, t.num_embeddings)
             for t in self._embedding_bag_configs
         ]
 
@@ -135,6 +130,10 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         if self._cached is None:
             return [CacheMetrics() for _ in self._embedding_bag_configs]
         return self._cached.metrics
+
+    def cache_metrics(self) -> dict[str, CacheMetrics]:
+        """Counters per table name."""
+        return {t.name: m for t, m in zip(self._embedding_bag_configs, self.metrics)}
 
     def attach(self, lookahead: int, prefetch_distance: int) -> None:
         """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""

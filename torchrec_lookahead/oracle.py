@@ -85,30 +85,31 @@ class _WindowBatch:
     unique_pos: np.ndarray  # global positions of the representatives
 
 
-def as_id_array(batch: Any, step: int, num_rows: int | None) -> np.ndarray:
+def as_id_array(batch: Any, where: str, num_rows: int | None) -> np.ndarray:
     """Validate a batch of row ids and return it as a 1-D int64 numpy array.
 
     Accepts numpy arrays, torch tensors and sequences. Raises ``ValueError``
-    naming the step and the id for negative or out-of-range ids.
+    naming ``where`` (e.g. ``"step 12"``) and the id for negative or
+    out-of-range ids.
     """
     if hasattr(batch, "detach"):  # a torch tensor, without importing torch here
         batch = batch.detach().cpu().numpy()
     ids = np.asarray(batch)
     if ids.ndim != 1:
-        raise ValueError(f"step {step}: a batch must be a 1-D array of ids, got shape {ids.shape}")
+        raise ValueError(f"{where}: a batch must be a 1-D array of ids, got shape {ids.shape}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"step {step}: ids must be integers, got dtype {ids.dtype}")
+        raise ValueError(f"{where}: ids must be integers, got dtype {ids.dtype}")
     ids = ids.astype(np.int64, copy=True)
     if ids.size:
         low = int(ids.min())
         if low < 0:
             pos = int(np.argmax(ids < 0))
-            raise ValueError(f"step {step}: negative id {low} (first at position {pos})")
+            raise ValueError(f"{where}: negative id {low} (first at position {pos})")
         high = int(ids.max())
         if num_rows is not None and high >= num_rows:
             pos = int(np.argmax(ids >= num_rows))
             raise ValueError(
-                f"step {step}: id {high} is out of range for a table of {num_rows} rows "
+                f"{where}: id {high} is out of range for a table of {num_rows} rows "
                 f"(first bad id at position {pos})"
             )
     return ids
@@ -188,7 +189,7 @@ class OracleCacher:
         caller planning several tables can check all of them before any moves.
         """
         step = self.steps_pushed
-        ids = as_id_array(batch, step, self.num_rows)
+        ids = as_id_array(batch, f"step {step}", self.num_rows)
         self._grow_rows(ids)
         # Distinct rows of steps step-d..step, from those of step-1-d..step-1: rows of
         # step-1-d not used again by step-1 leave, rows of this batch not among them join.

@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_lookahead.cached_tables import StepMoves
 from torchrec_lookahead.executor import PlanExecutor
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection, StepMoves
+from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.sharder import ShardedLookaheadEmbeddingBagCollection
 
 __all__ = ["LookaheadTrainPipeline"]
 
@@ -29,7 +30,10 @@ class LookaheadTrainPipeline(TrainPipeline):
     ``losses, output = model(batch)``, then backward and ``optimizer.step()``
     (the embedding update is fused into the backward). Batches carry their
     sparse features as ``batch.sparse_features`` (a ``KeyedJaggedTensor``), as
-    ``torchrec.datasets.utils.Batch`` does.
+    ``torchrec.datasets.utils.Batch`` does. Under ``DistributedModelParallel`` the
+    lookahead-cached collections must take ``batch.sparse_features`` as their input
+    (as TorchRec's models do): the pipeline distributes it when the batch enters the
+    window, and the step's forward uses that distributed input.
 
     A batch that cannot be planned (unknown feature, bad id, a window that
     does not fit a cache) raises ``ValueError`` from ``progress`` before any
@@ -54,18 +58,11 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._device = device
         self.lookahead = lookahead
         self.prefetch_distance = prefetch_distance
-        self._cached = [
-            m for m in model.modules() if isinstance(m, LookaheadEmbeddingBagCollection)
-        ]
+        lookahead_types = (LookaheadEmbeddingBagCollection, ShardedLookaheadEmbeddingBagCollection)
+        self._cached = [m for m in model.modules() if isinstance(m, lookahead_types)]
         if not self._cached:
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
-        self._known_features = {
-            feature
-            for m in model.modules()
-            if isinstance(m, EmbeddingBagCollection)
-            for config in m.embedding_bag_configs()
-            for feature in config.feature_names
-        }
+        self._known_features = _declared_features(model)
         for module in self._cached:
             module.attach(lookahead, prefetch_distance)
         self._window: deque[Any] = deque()  # batches entered, not yet run
@@ -102,12 +99,13 @@ class LookaheadTrainPipeline(TrainPipeline):
         return output
 
     def cache_metrics(self) -> dict[str, CacheMetrics]:
-        """Counters per table (``module_path.table``) and their sum under ``"total"``."""
+        """Counters per table (``module_path.table``; this rank's shards under DMP) and
+        their sum under ``"total"``."""
         named = {id(m): name for name, m in self._model.named_modules()}
         per_table = {
-            f"{named[id(m)]}.{config.name}".lstrip("."): metrics
+            f"{named[id(m)]}.{table}".lstrip("."): metrics
             for m in self._cached
-            for config, metrics in zip(m.embedding_bag_configs(), m.metrics)
+            for table, metrics in m.cache_metrics().items()
         }
         total = sum(per_table.values(), CacheMetrics())
         total.wait_s, total.plan_s = self.timings["wait_s"], self.timings["plan_s"]
@@ -155,3 +153,16 @@ class LookaheadTrainPipeline(TrainPipeline):
         while self._issued <= through and self._issued in self._moves:
             self._executor.submit(self._issued, self._moves.pop(self._issued))
             self._issued += 1
+
+
+def _declared_features(model: torch.nn.Module) -> set[str]:
+    """Every feature some embedding module of ``model`` (sharded or not) looks up."""
+    features = set()
+    for module in model.modules():
+        for getter in ("embedding_bag_configs", "embedding_configs"):
+            configs = getattr(module, getter, None) or getattr(module, f"_{getter}", None)
+            if callable(configs):
+                configs = configs()
+            for config in configs or []:
+                features.update(config.feature_names)
+    return features

@@ -162,7 +162,7 @@ def lfu_misses(batches: Sequence[Any], capacity: int, num_rows: int | None = Non
     last_use = np.full(capacity, -1, dtype=np.int64)
     misses = np.zeros(len(batches), dtype=np.int64)
     for s, batch in enumerate(batches):
-        ids = as_id_array(batch, s, num_rows)
+        ids = as_id_array(batch, f"step {s}", num_rows)
         unique, occurrences = np.unique(ids, return_counts=True)
         if len(unique) > capacity:
             raise ValueError(f"step {s}: {len(unique)} rows exceed capacity {capacity}")

@@ -1,0 +1,29 @@
+"""DistributedModelParallel with lookahead caching equals plain TorchRec (spawned gloo ranks)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+from distributed_cases import OPTIMIZERS, Case, worker
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(world_size: int, cases: list[Case]) -> None:
+    mp.spawn(worker, args=(world_size, free_port(), cases), nprocs=world_size, join=True)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise", "table_column_wise"])
+def test_canonical_use_matches_plain_torchrec(world_size: int, sharding_type: str) -> None:
+    spawn(
+        world_size,
+        [Case(sharding_type, optimizer, lookahead) for optimizer in OPTIMIZERS
+         for lookahead in (1, 16)],
+    )  # fmt: skip

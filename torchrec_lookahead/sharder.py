@@ -1,0 +1,323 @@
+"""Sharding ``LookaheadEmbeddingBagCollection`` with ``DistributedModelParallel``.
+
+TorchRec's sharded collection is kept whole: the sharder builds a
+``ShardedEmbeddingBagCollection`` subclass whose lookups create
+:class:`LookaheadFusedEmbeddingBag` kernels. That kernel is TorchRec's fused
+kernel (so state dicts, the fused optimizer and checkpoints are TorchRec's
+own), whose full-shard TBE becomes the backing store, with a lookahead cache
+in front. Every rank caches only the shards it owns, so each row has one owner.
+
+On CPU the kernel is planned as ``fused`` (the store TBE is in host memory
+anyway). On CUDA it is planned as ``fused_uvm_caching``: the planner's
+estimators then count the cache in device memory (its load factor) and the
+rows in host memory, which is this kernel's layout; the store TBE is built
+as plain UVM (``fused_uvm``), without FBGEMM's own cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead.cache import CacheTable
+from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves
+from torchrec_lookahead.metrics import CacheMetrics
+from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.oracle import as_id_array
+from torchrec_lookahead.store import HostStore
+
+__all__ = [
+    "LookaheadEmbeddingBagCollectionSharder",
+    "LookaheadFusedEmbeddingBag",
+    "ShardedLookaheadEmbeddingBagCollection",
+]
+
+
+class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
+    """TorchRec's fused kernel, its full-shard TBE the store, a lookahead cache in front."""
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        sizing: CacheSizing,
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        sharding_type: ShardingType | None = None,
+        env: ShardingEnv | None = None,
+    ) -> None:
+        device = device or torch.device("cpu")
+        on_cuda = device.type == "cuda"
+        if on_cuda:  # the store stays in host memory, without FBGEMM's own cache
+            tables = [
+                dataclasses.replace(t, compute_kernel=EmbeddingComputeKernel.FUSED_UVM)
+                for t in config.embedding_tables
+            ]
+            config = dataclasses.replace(config, embedding_tables=tables)
+        super().__init__(config, pg, device, sharding_type, env)
+        params = dict(config.fused_params or {})
+        optimizer = params.pop("optimizer")
+        plan_load_factor = params.get("cache_load_factor")
+        store_states = self._emb_module.split_optimizer_states()
+        store = HostStore(
+            self._emb_module.split_embedding_weights(),
+            states=store_states or [[] for _ in config.embedding_tables],
+        )
+        cache_rows = [
+            sizing.rows(t.name, t.num_embeddings, t.local_rows, plan_load_factor)
+            for t in config.embedding_tables
+        ]
+        cache = CacheTable(cache_rows, self._local_cols, self._feature_table_map, optimizer,
+                           store, device, self._pooling, params)  # fmt: skip
+        self.cached = CachedTables(
+            [t.name for t in config.embedding_tables],
+            self._local_rows,
+            self._feature_table_map,
+            cache,
+        )
+
+    def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.cached.step_running:
+            # The fused optimizer's learning rate lives on the store TBE; keep the cache's in step.
+            lr = self._emb_module.get_learning_rate()
+            if self.cached.cache.tbe.get_learning_rate() != lr:
+                self.cached.cache.tbe.set_learning_rate(lr)
+            weights = features.weights_or_none()
+            return self.cached.lookup(features.offsets(), features.values().numel(), weights)
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                "a lookahead-cached table trains through LookaheadTrainPipeline; call the "
+                "model directly only in eval mode or under torch.no_grad()"
+            )
+        self.cached.write_back()
+        return super().forward(features, *args, **kwargs)  # the store TBE: current weights
+
+
+class LookaheadPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """TorchRec's pooled lookup, building lookahead kernels for fused tables."""
+
+    def __init__(self, *args: Any, sizing: CacheSizing, **kwargs: Any) -> None:
+        self._sizing = sizing
+        super().__init__(*args, **kwargs)
+
+    def _create_embedding_kernel(
+        self,
+        config: GroupedEmbeddingConfig,
+        device: torch.device | None,
+        pg: dist.ProcessGroup | None,
+        sharding_type: ShardingType | None,
+        env: ShardingEnv | None,
+    ) -> LookaheadFusedEmbeddingBag:
+        kernels = {EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.FUSED_UVM_CACHING}
+        if config.compute_kernel not in kernels:
+            raise ValueError(
+                f"lookahead caching runs on the fused kernels {sorted(k.value for k in kernels)}, "
+                f"the plan asks for {config.compute_kernel.value}"
+            )
+        return LookaheadFusedEmbeddingBag(config, self._sizing, pg, device, sharding_type, env)
+
+    def kernel_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        """The features each kernel's forward will get (as ``forward`` splits them)."""
+        if not self._emb_modules:
+            return []
+        return features.split(self._feature_splits)
+
+
+class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """``ShardedEmbeddingBagCollection`` with lookahead kernels, driven by the pipeline.
+
+    The pipeline runs ``input_dist`` for a batch when it enters the window
+    (``prepare``), so each rank's oracles see exactly the ids its shards will
+    serve; the step's forward later consumes that distributed input.
+    """
+
+    def __init__(self, module: LookaheadEmbeddingBagCollection, **kwargs: Any) -> None:
+        self._sizing = module.sizing  # read by _create_lookups during super().__init__
+        super().__init__(module=module, **kwargs)
+        self._window_inputs: deque[tuple[Any, Any]] = deque()  # (ctx, distributed input)
+        self._running_input: tuple[Any, Any] | None = None
+        self._feature_rows = {
+            f: t.num_embeddings for t in self._embedding_bag_configs for f in t.feature_names
+        }
+        self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
+
+    def _create_lookups(self) -> None:
+        for sharding in self._embedding_shardings:
+            if isinstance(sharding, TwRwPooledEmbeddingSharding):
+                configs = sharding._grouped_embedding_configs_per_rank[sharding._rank]
+                sharding_type = ShardingType.TABLE_ROW_WISE
+            else:
+                configs = sharding._grouped_embedding_configs
+                is_rw = isinstance(sharding, RwPooledEmbeddingSharding)
+                sharding_type = ShardingType.ROW_WISE if is_rw else None
+            self._lookups.append(
+                LookaheadPooledEmbeddingsLookup(
+                    grouped_configs=configs,
+                    pg=sharding._pg,
+                    device=sharding._device,
+                    sharding_type=sharding_type,
+                    env=sharding._env,
+                    sizing=self._sizing,
+                )
+            )
+
+    # ----------------------------------------------- driven by the pipeline
+
+    @property
+    def cached_groups(self) -> list[CachedTables]:
+        return [kernel.cached for lookup in self._lookups for kernel in lookup._emb_modules]
+
+    def attach(self, lookahead: int, prefetch_distance: int) -> None:
+        for group in self.cached_groups:
+            group.attach(lookahead, prefetch_distance)
+        self._window_inputs.clear()
+
+    def prepare(self, features: KeyedJaggedTensor) -> tuple[Any, Any, list]:
+        """Check ids, distribute the batch (a collective), and check every shard's cache.
+
+        Bad ids are refused before the collective. A window that does not fit
+        a shard's cache on any rank is refused on every rank, so all ranks drop
+        the batch together and their collectives stay in step.
+        """
+        self._agree(self._check_ids(features))  # before the collective
+        ctx = self.create_context()
+        distributed = self.input_dist(ctx, features).wait().wait()
+        prepared, error = [], None
+        try:
+            for lookup, kjt in zip(self._lookups, distributed):
+                for kernel, part in zip(lookup._emb_modules, lookup.kernel_features(kjt)):
+                    prepared.append(kernel.cached.prepare(part))
+        except ValueError as caught:
+            error = caught
+        self._agree(error)
+        return ctx, distributed, prepared
+
+    def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
+        for key in features.keys():
+            if key in self._feature_rows:
+                try:
+                    as_id_array(features[key].values(), f"feature {key!r}", self._feature_rows[key])
+                except ValueError as error:
+                    return error
+        return None
+
+    def _agree(self, error: ValueError | None) -> None:
+        """Raise on every rank if any rank failed, so all drop the batch together."""
+        failed = torch.tensor([error is not None], dtype=torch.int64)
+        if self._env.world_size > 1:
+            dist.all_reduce(failed, group=self._env.process_group)
+        if failed.item():
+            raise error or ValueError("another rank refused this batch (see its error)")
+
+    def enter(self, prepared: tuple[Any, Any, list]) -> tuple[int, StepMoves] | None:
+        ctx, distributed, per_group = prepared
+        self._window_inputs.append((ctx, distributed))
+        planned = [g.enter(p) for g, p in zip(self.cached_groups, per_group)]
+        return _merge(planned)
+
+    def finish(self) -> list[tuple[int, StepMoves]]:
+        per_group = [group.finish() for group in self.cached_groups]
+        return [_merge(list(step)) for step in zip(*per_group)]
+
+    def begin_step(self, step: int) -> None:
+        for group in self.cached_groups:
+            group.begin_step(step)
+        self._running_input = self._window_inputs.popleft()
+
+    def write_back(self) -> None:
+        for group in self.cached_groups:
+            group.write_back()
+
+    def cache_metrics(self) -> dict[str, CacheMetrics]:
+        """Counters per table, summed over this rank's shards of it."""
+        out: dict[str, CacheMetrics] = {}
+        for group in self.cached_groups:
+            for name, metrics in zip(group.names, group.metrics):
+                out[name] = out.get(name, CacheMetrics()) + metrics
+        return out
+
+    # -------------------------------------------------------------- module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._running_input is None:
+            return super().forward(*args, **kwargs)  # eval: kernels read the store
+        ctx, distributed = self._running_input
+        self._running_input = None
+        return self.compute_and_output_dist(ctx, distributed)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        self.write_back()
+        return super().state_dict(*args, **kwargs)
+
+    def _reload_caches(self) -> None:
+        for group in self.cached_groups:
+            group.cache.refresh()
+
+
+def _merge(planned: list[tuple[int, StepMoves] | None]) -> tuple[int, StepMoves] | None:
+    """One step's moves from every group (the groups plan in lockstep)."""
+    planned = [p for p in planned if p is not None]
+    if not planned:
+        return None
+    return planned[0][0], [move for _, moves in planned for move in moves]
+
+
+class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """Shards ``LookaheadEmbeddingBagCollection`` with lookahead-cached fused kernels.
+
+    Offers every sharding type TorchRec has on the device except data-parallel
+    (a replicated table has no single owner to cache it; keep small replicated
+    tables in a plain ``EmbeddingBagCollection``).
+    """
+
+    def shard(
+        self,
+        module: LookaheadEmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedLookaheadEmbeddingBagCollection:
+        return ShardedLookaheadEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = [ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE]
+        if compute_device_type == "cuda":
+            types += [ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE]
+        return [t.value for t in types]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        kernel = EmbeddingComputeKernel.FUSED
+        if compute_device_type == "cuda":
+            kernel = EmbeddingComputeKernel.FUSED_UVM_CACHING
+        return [kernel.value]
+
+    @property
+    def module_type(self) -> type[LookaheadEmbeddingBagCollection]:
+        return LookaheadEmbeddingBagCollection
+
+    @property
+    def sharded_module_type(self) -> type[ShardedLookaheadEmbeddingBagCollection]:
+        return ShardedLookaheadEmbeddingBagCollection
