@@ -143,3 +143,119 @@ def worker(rank: int, world_size: int, port: int, cases: list[Case]) -> None:
             check(case, rank, world_size)
     finally:
         dist.destroy_process_group()
+
+
+class MixedModel(torch.nn.Module):
+    """A lookahead (or plain) collection and a plain one, over the same batch."""
+
+    def __init__(self, cached: torch.nn.Module, plain: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.cached = cached
+        self.plain = plain
+        torch.manual_seed(0)
+        self.over = torch.nn.Linear(3 * DIM + 13, 1)
+
+    def forward(self, batch):
+        pooled = torch.cat(
+            [self.cached(batch.sparse_features).values(),
+             self.plain(batch.sparse_features).values(), batch.dense_features], dim=1,
+        )  # fmt: skip
+        logits = self.over(pooled).squeeze(1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+        return loss, (loss.detach(), logits.detach())
+
+
+def mixed(cached_type: type, sharders: list, world_size: int):
+    all_tables = tables()
+    cached_kwargs = {"cache_load_factor": 0.2} if cached_type is not EmbeddingBagCollection else {}
+    model = MixedModel(
+        cached_type(tables=all_tables[:2], device=torch.device("meta"), **cached_kwargs),
+        EmbeddingBagCollection(tables=all_tables[2:], device=torch.device("meta")),
+    )
+    for module in (model.cached, model.plain):
+        apply_optimizer_in_backward(RowWiseAdagrad, module.parameters(), {"lr": 0.05})
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device="cpu"), batch_size=BATCH
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
+    """Mixed modules, a bad batch on one rank, eval, and a DCP round trip to plain TorchRec."""
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.sharding_plan import get_default_sharders
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_lookahead import lookahead_sharders
+
+    data = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=200 + rank)
+    batches = [criteo_batch(data, s, BATCH) for s in range(60)]
+    extra = criteo_batch(data, 1000, BATCH)  # every rank drops it: rank 0's copy is bad
+    if rank == 0:
+        values = extra.sparse_features.values().clone()
+        values[3] = 10**9
+        extra.sparse_features = KeyedJaggedTensor.from_lengths_sync(
+            keys=extra.sparse_features.keys(), values=values,
+            lengths=extra.sparse_features.lengths(),
+        )  # fmt: skip
+    base, base_opt = mixed(EmbeddingBagCollection, get_default_sharders(), world_size)
+    look, look_opt = mixed(LookaheadEmbeddingBagCollection, lookahead_sharders(), world_size)
+    look.load_state_dict(base.state_dict())
+
+    base_pipeline = TrainPipelineSparseDist(base, base_opt, torch.device("cpu"))
+    expected = train(base_pipeline, batches)
+    base_pipeline.detach()  # restore the forward TorchRec's pipeline rewrote
+    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8)
+    it, got, errors = iter(batches[:5] + [extra] + batches[5:]), [], []
+    probe = criteo_batch(data, 2000, BATCH)
+    while True:
+        try:
+            got.append(pipeline.progress(it)[1])
+        except StopIteration:
+            break
+        except ValueError as error:
+            errors.append(str(error))
+        if len(got) == 30:  # eval mid-training, caches dirty: must see the current weights
+            look.eval()
+            with torch.no_grad():
+                mid = look(probe)[1][1]
+            look.train()
+            current, _ = mixed(EmbeddingBagCollection, get_default_sharders(), world_size)
+            current.load_state_dict(look.state_dict())
+            current.eval()
+            with torch.no_grad():
+                assert torch.equal(mid, current(probe)[1][1]), "eval read stale rows"
+    assert len(errors) == 1, errors
+    assert ("out of range" if rank == 0 else "another rank refused") in errors[0], errors[0]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert_equal_states(base.state_dict(), look.state_dict(), "mixed weights")
+    assert_equal_states(base_opt.state_dict()["state"], look_opt.state_dict()["state"], "optim")
+
+    base.eval()
+    look.eval()
+    with torch.no_grad():
+        assert torch.equal(base(probe)[1][1], look(probe)[1][1]), "eval differs from baseline"
+
+    dcp.save(look.state_dict(), checkpoint_id=checkpoint_dir)
+    fresh, _ = mixed(EmbeddingBagCollection, get_default_sharders(), world_size)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    fresh.load_state_dict(state)
+    assert_equal_states(look.state_dict(), fresh.state_dict(), "checkpoint round trip")
+
+
+def integration_worker(rank: int, world_size: int, port: int, checkpoint_dir: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        check_integration(rank, world_size, checkpoint_dir)
+    finally:
+        dist.destroy_process_group()

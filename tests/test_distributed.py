@@ -6,7 +6,7 @@ import socket
 
 import pytest
 import torch.multiprocessing as mp
-from distributed_cases import OPTIMIZERS, Case, worker
+from distributed_cases import OPTIMIZERS, Case, integration_worker, worker
 
 
 def free_port() -> int:
@@ -27,3 +27,7 @@ def test_canonical_use_matches_plain_torchrec(world_size: int, sharding_type: st
         [Case(sharding_type, optimizer, lookahead) for optimizer in OPTIMIZERS
          for lookahead in (1, 16)],
     )  # fmt: skip
+
+
+def test_mixed_modules_bad_batch_on_one_rank_eval_and_checkpoint(tmp_path) -> None:
+    mp.spawn(integration_worker, args=(2, free_port(), str(tmp_path / "ckpt")), nprocs=2)

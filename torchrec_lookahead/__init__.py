@@ -7,20 +7,25 @@ __all__ = [
     "CacheMetrics",
     "CachePlan",
     "LookaheadEmbeddingBagCollection",
+    "LookaheadEmbeddingBagCollectionSharder",
     "LookaheadTrainPipeline",
     "OracleCacher",
+    "lookahead_sharders",
 ]
+
+_LAZY = {
+    "LookaheadEmbeddingBagCollection": "torchrec_lookahead.modules",
+    "LookaheadEmbeddingBagCollectionSharder": "torchrec_lookahead.sharder",
+    "LookaheadTrainPipeline": "torchrec_lookahead.pipeline",
+    "lookahead_sharders": "torchrec_lookahead.sharder",
+}
 
 
 def __getattr__(name: str) -> object:
     # The TorchRec-facing classes import torch, FBGEMM and torchrec (seconds);
     # the oracle and simulators do not need them.
-    if name == "LookaheadEmbeddingBagCollection":
-        from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
+    if name in _LAZY:
+        import importlib
 
-        return LookaheadEmbeddingBagCollection
-    if name == "LookaheadTrainPipeline":
-        from torchrec_lookahead.pipeline import LookaheadTrainPipeline
-
-        return LookaheadTrainPipeline
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'torchrec_lookahead' has no attribute {name!r}")

@@ -31,7 +31,8 @@ from torchrec.distributed.embeddingbag import (
 )
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.cache import CacheTable
@@ -45,6 +46,7 @@ __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
     "LookaheadFusedEmbeddingBag",
     "ShardedLookaheadEmbeddingBagCollection",
+    "lookahead_sharders",
 ]
 
 
@@ -321,3 +323,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     @property
     def sharded_module_type(self) -> type[ShardedLookaheadEmbeddingBagCollection]:
         return ShardedLookaheadEmbeddingBagCollection
+
+
+def lookahead_sharders(fused_params: dict[str, Any] | None = None) -> list[ModuleSharder]:
+    """The sharders for a model mixing lookahead and plain TorchRec modules.
+
+    ``LookaheadEmbeddingBagCollectionSharder`` first, then TorchRec's default
+    sharders for every other module type (``EmbeddingBagCollection``,
+    ``EmbeddingCollection``, ...).
+    """
+    return [LookaheadEmbeddingBagCollectionSharder(fused_params), *get_default_sharders()]
