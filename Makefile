@@ -26,6 +26,8 @@ bench: install
 	$(PY) benchmarks/oracle.py --out results/oracle-large --scale 0.5 --steps 400
 	$(PY) benchmarks/step_time.py --out results/step_time
 	$(PY) benchmarks/step_time.py --out results/step_time_large --scale 0.1 --cache-load-factor 0.02
+	$(PY) benchmarks/step_time.py --out results/step_time_ws1 --world-size 1
+	$(PY) benchmarks/step_time.py --out results/step_time_ws2 --world-size 2
 
 clean:
 	rm -rf $(VENV) results .pytest_cache .hypothesis *.egg-info

@@ -2,12 +2,19 @@
 
 Both models start from the same weights, train on the same Criteo-shaped
 batches (26 tables of Criteo Kaggle's sizes times --scale, Zipf ids) with
-fused row-wise Adagrad, and run on this machine's CPU, unsharded. The
-lookahead run's time splits into the oracle (planning batches entering the
-window), waiting for the executor (rows not yet moved), and forward /
-backward / optimizer. It checks that both end with the same weights.
+fused row-wise Adagrad on this machine's CPU, and must end with the same
+weights (checked). Two set-ups:
 
-Writes ``report.json`` and ``step_time.png`` into --out and prints a table.
+* ``--world-size 0`` (default): unsharded; the all-resident model keeps its
+  tables in one fused TBE (``FullyResidentEmbeddingBagCollection``).
+* ``--world-size 1`` or ``2``: ``DistributedModelParallel`` on spawned gloo
+  ranks; the baseline is plain TorchRec (``EmbeddingBagCollection``, default
+  sharder, ``TrainPipelineSparseDist``), the lookahead model the canonical
+  use of ``DESIGN.md`` section 5. Each rank has its own batches.
+
+The lookahead time splits into input distribution of batches entering the
+window (DMP), the oracle, waiting for the executor, and forward / backward /
+optimizer. Writes ``report.json`` and ``step_time.png`` into --out.
 """
 
 from __future__ import annotations
@@ -16,10 +23,16 @@ import argparse
 import copy
 import json
 import math
+import os
+import socket
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from common import machine, pinned_rows_needed
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -33,90 +46,245 @@ from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
 from torchrec_lookahead.resident import FullyResidentEmbeddingBagCollection
 
 
-def build_models(args: argparse.Namespace, data: SyntheticCriteo) -> tuple[DLRMTrain, DLRMTrain]:
-    tables = [
+def table_configs(args: argparse.Namespace, data: SyntheticCriteo) -> list[EmbeddingBagConfig]:
+    return [
         EmbeddingBagConfig(name=f"t_{name}", embedding_dim=args.dim, num_embeddings=rows,
                            feature_names=[name])
         for name, rows in zip(feature_names(data), data.num_embeddings)
     ]  # fmt: skip
-    # A table's cache holds --cache-load-factor of its rows, but at least what d+1
-    # consecutive batches use together (small tables end up fully cached).
-    streams = data.table_streams(args.batch_size, args.steps)
-    cache_rows = {
-        t.name: max(math.ceil(args.cache_load_factor * t.num_embeddings),
-                    pinned_rows_needed(stream, args.prefetch_distance))
-        for t, stream in zip(tables, streams)
-    }  # fmt: skip
+
+
+def cache_rows(args: argparse.Namespace, tables: list[EmbeddingBagConfig]) -> dict[str, int]:
+    """--cache-load-factor of each table, but at least what d+1 global batches use together."""
+    ranks = max(args.world_size, 1)
+    streams = [rank_data(args, r).table_streams(args.batch_size, args.steps) for r in range(ranks)]
+    rows = {}
+    for t, table in enumerate(tables):
+        global_steps = [np.concatenate([s[t][step] for s in streams]) for step in range(args.steps)]
+        floor = pinned_rows_needed(global_steps, args.prefetch_distance)
+        rows[table.name] = max(math.ceil(args.cache_load_factor * table.num_embeddings), floor)
+    return rows
+
+
+def rank_data(args: argparse.Namespace, rank: int) -> SyntheticCriteo:
+    return SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed + rank)
+
+
+def dlrm(collection: torch.nn.Module, args: argparse.Namespace) -> DLRMTrain:
     torch.manual_seed(args.seed)
-    ebc = LookaheadEmbeddingBagCollection(tables, cache_rows=cache_rows)
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": args.embedding_lr})
-
-    def dlrm(collection: torch.nn.Module) -> DLRMTrain:
-        torch.manual_seed(args.seed)
-        return DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=13,
-                              dense_arch_layer_sizes=[64, args.dim],
-                              over_arch_layer_sizes=[64, 32, 1]))  # fmt: skip
-
-    cached = dlrm(ebc)
-    resident = dlrm(FullyResidentEmbeddingBagCollection(ebc, ebc.fused_config()))
-    resident.model.dense_arch.load_state_dict(copy.deepcopy(cached.model.dense_arch.state_dict()))
-    resident.model.over_arch.load_state_dict(copy.deepcopy(cached.model.over_arch.state_dict()))
-    return cached, resident
+    return DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=13,
+                          dense_arch_layer_sizes=[64, args.dim],
+                          over_arch_layer_sizes=[64, 32, 1]))  # fmt: skip
 
 
-def dense_optimizer(model: DLRMTrain, lr: float) -> torch.optim.Optimizer:
-    params = [*model.model.dense_arch.parameters(), *model.model.over_arch.parameters()]
-    return torch.optim.SGD(params, lr=lr)
-
-
-def run_resident(model: DLRMTrain, batches: list, args: argparse.Namespace) -> list[float]:
-    optimizer = dense_optimizer(model, args.dense_lr)
-    times = []
-    for batch in tqdm(batches, desc="all resident", unit="step"):
+def timed_training(pipeline_or_step, batches: list, desc: str, timings=None):
+    """Runs every batch; returns per-step seconds and per-step timing deltas."""
+    times, parts, it = [], [], iter(batches)
+    for _ in tqdm(range(len(batches)), desc=desc, unit="step", disable=None):
+        before = dict(timings) if timings is not None else None
         start = time.perf_counter()
+        try:
+            pipeline_or_step(it)
+        except StopIteration:
+            break
+        times.append(time.perf_counter() - start)
+        if timings is not None:
+            parts.append({k: timings[k] - before[k] for k in before})
+    return times, parts
+
+
+def drain(pipeline, it) -> None:
+    """Let a pipeline see the end of the data (flushes caches, stops workers)."""
+    try:
+        pipeline.progress(it)
+    except StopIteration:
+        return
+    raise RuntimeError("the pipeline had batches left")
+
+
+# ---------------------------------------------------------------- unsharded
+
+
+def run_unsharded(args: argparse.Namespace) -> dict:
+    data = rank_data(args, 0)
+    batches = [criteo_batch(data, s, args.batch_size) for s in range(args.steps)]
+    tables = table_configs(args, data)
+    torch.manual_seed(args.seed)
+    ebc = LookaheadEmbeddingBagCollection(tables, cache_rows=cache_rows(args, tables))
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": args.embedding_lr})
+    cached = dlrm(ebc, args)
+    resident = dlrm(FullyResidentEmbeddingBagCollection(ebc, ebc.fused_config()), args)
+    for part in ("dense_arch", "over_arch"):
+        state = copy.deepcopy(getattr(cached.model, part).state_dict())
+        getattr(resident.model, part).load_state_dict(state)
+
+    def dense(model: DLRMTrain) -> torch.optim.Optimizer:
+        params = [*model.model.dense_arch.parameters(), *model.model.over_arch.parameters()]
+        return torch.optim.SGD(params, lr=args.dense_lr)
+
+    optimizer = dense(resident)
+
+    def resident_step(it) -> None:
+        batch = next(it)
         optimizer.zero_grad()
-        loss, _ = model(batch)
+        loss, _ = resident(batch)
         loss.backward()
         optimizer.step()
-        times.append(time.perf_counter() - start)
-    return times
 
-
-def run_lookahead(model: DLRMTrain, batches: list, args: argparse.Namespace):
-    pipeline = LookaheadTrainPipeline(
-        model, dense_optimizer(model, args.dense_lr), torch.device("cpu"),
-        lookahead=args.lookahead, prefetch_distance=args.prefetch_distance,
-    )  # fmt: skip
-    times, parts = [], []
+    base_times, _ = timed_training(resident_step, batches, "all resident")
+    pipeline = LookaheadTrainPipeline(cached, dense(cached), torch.device("cpu"),
+                                      lookahead=args.lookahead,
+                                      prefetch_distance=args.prefetch_distance)  # fmt: skip
     it = iter(batches)
-    with tqdm(total=len(batches), desc="lookahead", unit="step") as bar:
-        while True:
-            before = dict(pipeline.timings)
-            start = time.perf_counter()
-            try:
-                pipeline.progress(it)
-            except StopIteration:
-                break
-            times.append(time.perf_counter() - start)
-            parts.append({k: pipeline.timings[k] - before[k] for k in before})
-            bar.update()
-            bar.set_postfix(hit_rate=f"{pipeline.cache_metrics()['total'].hit_rate:.3f}")
-    return times, parts, pipeline.cache_metrics()["total"]
-
-
-def same_weights(cached: DLRMTrain, resident: DLRMTrain) -> bool:
-    ebc = cached.model.sparse_arch.embedding_bag_collection
+    times, parts = timed_training(lambda _: pipeline.progress(it), batches, "lookahead",
+                                  pipeline.timings)  # fmt: skip
+    drain(pipeline, it)
     state = ebc.state_dict()
     tbe = resident.model.sparse_arch.embedding_bag_collection.tbe
-    tables = all(
+    same = all(
         torch.equal(state[f"embedding_bags.{c.name}.weight"], w)
         for c, w in zip(ebc.embedding_bag_configs(), tbe.split_embedding_weights())
-    )
-    dense = all(
+    ) and all(
         torch.equal(a, b)
         for a, b in zip(cached.model.over_arch.parameters(), resident.model.over_arch.parameters())
     )
-    return tables and dense
+    return summarise(args, base_times, times, parts, pipeline, same, sum(ebc.cache_rows()),
+                     sum(data.num_embeddings))  # fmt: skip
+
+
+# --------------------------------------------------------------------- DMP
+
+
+def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from torchrec_lookahead import LookaheadEmbeddingBagCollectionSharder
+
+    ws = args.world_size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    data = rank_data(args, rank)
+    tables = table_configs(args, data)
+    rows = cache_rows(args, tables)
+
+    def build(ebc, sharders):
+        model = dlrm(ebc, args)
+        apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(),
+                                    {"lr": args.embedding_lr})  # fmt: skip
+        # Both models get the same plan: table-wise, fused. (Left alone, TorchRec's
+        # planner makes small tables data-parallel, trained by the dense optimizer.)
+        same_plan = {
+            t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+            for t in tables
+        }
+        planner = EmbeddingShardingPlanner(Topology(world_size=ws, compute_device="cpu"),
+                                           batch_size=args.batch_size,
+                                           constraints=same_plan)  # fmt: skip
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
+                                       sharders=sharders)  # fmt: skip
+        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                      lambda ps: torch.optim.SGD(ps, lr=args.dense_lr))  # fmt: skip
+        return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+    meta = torch.device("meta")
+    base, base_opt = build(EmbeddingBagCollection(tables, device=meta),
+                           [EmbeddingBagCollectionSharder()])  # fmt: skip
+    look_ebc = LookaheadEmbeddingBagCollection(tables, device=meta, cache_rows=rows)
+    look, look_opt = build(look_ebc, [LookaheadEmbeddingBagCollectionSharder()])
+    look.load_state_dict(base.state_dict())
+    batches = [criteo_batch(data, s, args.batch_size) for s in range(args.steps)]
+
+    base_pipeline = TrainPipelineSparseDist(base, base_opt, torch.device("cpu"))
+    it = iter(batches)
+    base_times, _ = timed_training(lambda _: base_pipeline.progress(it), batches,
+                                   f"rank {rank} plain TorchRec")  # fmt: skip
+    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"),
+                                      lookahead=args.lookahead,
+                                      prefetch_distance=args.prefetch_distance)  # fmt: skip
+    it = iter(batches)
+    times, parts = timed_training(lambda _: pipeline.progress(it), batches,
+                                  f"rank {rank} lookahead", pipeline.timings)  # fmt: skip
+    drain(pipeline, it)
+    same = _same_local_state(base.state_dict(), look.state_dict())
+    sharded = [m for m in look.modules() if hasattr(m, "cached_groups")][0]
+    rank_cache_rows = sum(sum(g.cache_rows) for g in sharded.cached_groups)
+    report = summarise(args, base_times, times, parts, pipeline, same, rank_cache_rows,
+                       sum(data.num_embeddings))  # fmt: skip
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def _same_local_state(expected: dict, got: dict) -> bool:
+    def local(value):
+        if hasattr(value, "local_shards"):
+            return [s.tensor for s in value.local_shards()]
+        return [value] if isinstance(value, torch.Tensor) else []
+
+    return list(expected) == list(got) and all(
+        torch.equal(a, b) for k in expected for a, b in zip(local(expected[k]), local(got[k]))
+    )
+
+
+def run_dmp(args: argparse.Namespace) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(dmp_worker, args=(args, port, out_dir), nprocs=args.world_size, join=True)
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text())
+                 for r in range(args.world_size)]  # fmt: skip
+    report = dict(ranks[0])  # rank 0 speaks for the run; every rank is kept below
+    report["ranks"] = ranks
+    report["same_weights"] = all(r["same_weights"] for r in ranks)
+    report["cache_rows"] = sum(r["cache_rows"] for r in ranks)
+    return report
+
+
+# ----------------------------------------------------------------- report
+
+
+def summarise(args, base_times, times, parts, pipeline, same, cache_rows_, rows) -> dict:
+    w = args.warmup
+    measured = len(times) - w
+
+    def ms(values: list[float]) -> float:
+        return 1000 * sum(values[w:]) / measured
+
+    look = {k.replace("_s", "_ms"): ms([p[k] for p in parts]) for k in parts[0]}
+    look["step_ms"] = ms(times)
+    look["other_ms"] = look["step_ms"] - sum(v for k, v in look.items() if k != "step_ms")
+    metrics = pipeline.cache_metrics()["total"]
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "machine": machine(),
+        "rows": rows,
+        "cache_rows": cache_rows_,
+        "measured_steps": measured,
+        "baseline": {"step_ms": ms(base_times)},
+        "lookahead": look | {
+            "hit_rate": metrics.hit_rate,
+            "rows_fetched_per_step": metrics.rows_fetched / len(times),
+            "rows_written_back_per_step": metrics.rows_written_back / len(times),
+        },
+        "ratio": look["step_ms"] / ms(base_times),
+        "same_weights": bool(same),
+    }  # fmt: skip
+
+
+PARTS = (("input_dist_ms", "input dist"), ("plan_ms", "oracle"), ("wait_ms", "executor wait"),
+         ("compute_ms", "fwd/bwd/opt"), ("other_ms", "other"))  # fmt: skip
 
 
 def plot(report: dict, path: Path) -> None:
@@ -125,25 +293,21 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    look = report["lookahead"]
+    look, cfg = report["lookahead"], report["config"]
+    baseline = "all resident" if cfg["world_size"] == 0 else "plain TorchRec"
+    colors = ("tab:purple", "tab:orange", "tab:red", "tab:blue", "tab:gray")
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    ax.barh(
-        ["all resident"], [report["resident"]["step_ms"]], color="tab:blue", label="fwd/bwd/opt"
-    )
+    ax.barh([baseline], [report["baseline"]["step_ms"]], color="tab:blue")
     left = 0.0
-    for key, label, color in (("compute_ms", "fwd/bwd/opt", "tab:blue"),
-                              ("plan_ms", "oracle", "tab:orange"),
-                              ("wait_ms", "executor wait", "tab:red"),
-                              ("other_ms", "other", "tab:gray")):  # fmt: skip
-        ax.barh(["lookahead"], [look[key]], left=left, color=color,
-                label=None if key == "compute_ms" else label)  # fmt: skip
+    for (key, label), color in zip(PARTS, colors):
+        ax.barh(["lookahead"], [look[key]], left=left, color=color, label=label)
         left += look[key]
     ax.set_xlabel("ms per step")
-    cfg = report["config"]
     share = report["cache_rows"] / report["rows"]
-    ax.set_title(f"DLRM, cache {share:.1%} of {report['rows']:,} rows, L={cfg['lookahead']}, "
-                 f"batch {cfg['batch_size']}, CPU")  # fmt: skip
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8)
+    where = "unsharded" if cfg["world_size"] == 0 else f"DMP world size {cfg['world_size']}"
+    ax.set_title(f"DLRM, {where}, cache {share:.1%} of {report['rows']:,} rows, "
+                 f"L={cfg['lookahead']}, batch {cfg['batch_size']}", fontsize=10)  # fmt: skip
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -152,9 +316,10 @@ def plot(report: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/step_time"))
+    parser.add_argument("--world-size", type=int, default=0, help="0: unsharded; 1, 2: DMP")
     parser.add_argument("--scale", type=float, default=0.01)
     parser.add_argument("--zipf", type=float, default=1.1)
-    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=2048, help="per rank")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--dim", type=int, default=16)
@@ -165,51 +330,29 @@ def main() -> None:
     parser.add_argument("--dense-lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.warmup >= args.steps:
+        parser.error("--warmup must be smaller than --steps")
 
-    data = SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed)
-    batches = [criteo_batch(data, s, args.batch_size) for s in range(args.steps)]
-    cached, resident = build_models(args, data)
-    resident_times = run_resident(resident, batches, args)
-    times, parts, metrics = run_lookahead(cached, batches, args)
-
-    w = args.warmup
-    measured = len(times) - w
-
-    def ms(values: list[float]) -> float:
-        return 1000 * sum(values[w:]) / measured
-
-    look = {k.replace("_s", "_ms"): ms([p[k] for p in parts]) for k in parts[0]}
-    look["step_ms"] = ms(times)
-    look["other_ms"] = look["step_ms"] - look["plan_ms"] - look["wait_ms"] - look["compute_ms"]
-    report = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine(),
-        "rows": sum(data.num_embeddings),
-        "cache_rows": sum(cached.model.sparse_arch.embedding_bag_collection.cache_rows()),
-        "resident": {"step_ms": ms(resident_times)},
-        "lookahead": look | {
-            "hit_rate": metrics.hit_rate,
-            "rows_fetched_per_step": metrics.rows_fetched / len(times),
-            "rows_written_back_per_step": metrics.rows_written_back / len(times),
-        },
-        "ratio": look["step_ms"] / ms(resident_times),
-        "same_weights": same_weights(cached, resident),
-    }  # fmt: skip
+    report = run_dmp(args) if args.world_size else run_unsharded(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     plot(report, args.out / "step_time.png")
 
-    print(f"\nDLRM, {report['rows']:,} rows, cache {report['cache_rows']:,} rows, batch "
+    look = report["lookahead"]
+    baseline = "all resident" if args.world_size == 0 else "plain TorchRec"
+    where = "unsharded" if args.world_size == 0 else f"DMP world size {args.world_size}, rank 0"
+    print(f"\nDLRM {where}: {report['rows']:,} rows, cache {report['cache_rows']:,} rows, batch "
           f"{args.batch_size}, L={args.lookahead}, d={args.prefetch_distance}, "
-          f"{measured} steps after {w} warm-up")  # fmt: skip
-    header = ("run", "step ms", "oracle", "wait", "fwd/bwd/opt", "other")
-    print("{:>13} {:>8} {:>7} {:>6} {:>11} {:>6}".format(*header))
-    print(f"{'all resident':>13} {report['resident']['step_ms']:>8.1f}")
-    cells = [look[k] for k in ("step_ms", "plan_ms", "wait_ms", "compute_ms", "other_ms")]
-    print("{:>13} {:>8.1f} {:>7.1f} {:>6.1f} {:>11.1f} {:>6.1f}".format("lookahead", *cells))
-    print(f"ratio {report['ratio']:.2f}x, hit rate {metrics.hit_rate:.3f}, "
-          f"{report['lookahead']['rows_fetched_per_step']:.0f} rows fetched and "
-          f"{report['lookahead']['rows_written_back_per_step']:.0f} written back per step, "
+          f"{report['measured_steps']} steps after {args.warmup} warm-up")  # fmt: skip
+    header = ["run", "step ms"] + [label for _, label in PARTS]
+    print("{:>15} {:>8} {:>10} {:>7} {:>13} {:>11} {:>6}".format(*header))
+    print("{:>15} {:>8.1f}".format(baseline, report["baseline"]["step_ms"]))
+    cells = [look["step_ms"]] + [look[k] for k, _ in PARTS]
+    print("{:>15} {:>8.1f} {:>10.1f} {:>7.1f} {:>13.1f} {:>11.1f} {:>6.1f}".format(
+        "lookahead", *cells))  # fmt: skip
+    print(f"ratio {report['ratio']:.2f}x, hit rate {look['hit_rate']:.3f}, "
+          f"{look['rows_fetched_per_step']:.0f} rows fetched and "
+          f"{look['rows_written_back_per_step']:.0f} written back per step, "
           f"same final weights: {report['same_weights']}")  # fmt: skip
     print(f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
           f"wrote {args.out / 'report.json'} and {args.out / 'step_time.png'}")  # fmt: skip

@@ -36,6 +36,17 @@ def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -
     assert "all resident" in out and "same final weights: True" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["same_weights"] is True
-    assert report["lookahead"]["step_ms"] > 0 and report["resident"]["step_ms"] > 0
+    assert report["lookahead"]["step_ms"] > 0 and report["baseline"]["step_ms"] > 0
     assert 0 < report["lookahead"]["hit_rate"] < 1
     assert (tmp_path / "step_time.png").stat().st_size > 0
+
+
+def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--out", str(tmp_path),
+           "--world-size", "1", "--scale", "0.001", "--batch-size", "64", "--steps", "12",
+           "--warmup", "2", "--lookahead", "4"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "plain TorchRec" in out and "same final weights: True" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["same_weights"] is True and len(report["ranks"]) == 1
+    assert report["lookahead"]["input_dist_ms"] > 0

@@ -17,6 +17,7 @@ as plain UVM (``fused_uvm``), without FBGEMM's own cache.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from typing import Any
 
@@ -150,6 +151,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def __init__(self, module: LookaheadEmbeddingBagCollection, **kwargs: Any) -> None:
         self._sizing = module.sizing  # read by _create_lookups during super().__init__
         super().__init__(module=module, **kwargs)
+        self.input_dist_s = 0.0  # time spent distributing batches entering the window
         self._window_inputs: deque[tuple[Any, Any]] = deque()  # (ctx, distributed input)
         self._running_input: tuple[Any, Any] | None = None
         self._feature_rows = {
@@ -196,8 +198,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         the batch together and their collectives stay in step.
         """
         self._agree(self._check_ids(features))  # before the collective
+        start = time.perf_counter()
         ctx = self.create_context()
         distributed = self.input_dist(ctx, features).wait().wait()
+        self.input_dist_s += time.perf_counter() - start
         prepared, error = [], None
         try:
             for lookup, kjt in zip(self._lookups, distributed):
