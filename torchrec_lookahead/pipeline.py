@@ -66,7 +66,8 @@ class LookaheadTrainPipeline(TrainPipeline):
         for module in self._cached:
             module.attach(lookahead, prefetch_distance)
         self._window: deque[Any] = deque()  # batches entered, not yet run
-        self._moves: dict[int, StepMoves] = {}  # planned steps not yet issued
+        self._moves: dict[int, StepMoves] = {}  # moves of planned steps not yet issued
+        self._entered = 0  # batches that entered the window
         self._next_step = 0  # the step progress() runs next
         self._issued = 0  # steps whose moves went to the executor
         self._data_done = False
@@ -149,6 +150,7 @@ class LookaheadTrainPipeline(TrainPipeline):
             if planned is not None:
                 step, moves = planned
                 self._moves.setdefault(step, []).extend(moves)
+        self._entered += 1
         distributed = self._input_dist_s() - distributing
         self.timings["input_dist_s"] += distributed
         self.timings["plan_s"] += time.perf_counter() - start - distributed
@@ -157,9 +159,14 @@ class LookaheadTrainPipeline(TrainPipeline):
         return sum(getattr(module, "input_dist_s", 0.0) for module in self._cached)
 
     def _issue(self, through: int) -> None:
-        """Hand the moves of steps up to ``through`` to the executor (their issue points)."""
-        while self._issued <= through and self._issued in self._moves:
-            self._executor.submit(self._issued, self._moves.pop(self._issued))
+        """Hand the moves of steps up to ``through`` to the executor (their issue points).
+
+        Step ``s`` is planned once batch ``s + L`` has entered (or the data ended);
+        a step may have no moves, e.g. on a rank that owns no cached shard.
+        """
+        planned = self._entered if self._data_done else self._entered - self.lookahead
+        while self._issued <= min(through, planned - 1):
+            self._executor.submit(self._issued, self._moves.pop(self._issued, []))
             self._issued += 1
 
 
