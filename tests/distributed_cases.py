@@ -222,6 +222,13 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
             break
         except ValueError as error:
             errors.append(str(error))
+        if len(got) == 20:  # optimizer state read mid-training must be current
+            first = [t.clone() for v in look_opt.state_dict()["state"].values()
+                     for s in v.values() for t in local(s)]  # fmt: skip
+            look.state_dict()  # writes every cache back
+            again = [t for v in look_opt.state_dict()["state"].values()
+                     for s in v.values() for t in local(s)]  # fmt: skip
+            assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
         if len(got) == 30:  # eval mid-training, caches dirty: must see the current weights
             look.eval()
             with torch.no_grad():

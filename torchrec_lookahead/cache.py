@@ -103,14 +103,22 @@ class CacheTable:
             for ids in self.slot_ids:
                 ids.fill_(-1)
 
-    def refresh(self) -> None:
-        """Reload occupied slots' weights from the store (after the store was overwritten)."""
+    def refresh(self, states: bool = False) -> None:
+        """Reload occupied slots from the store (after the store was overwritten):
+        their weights, and their optimizer state too when ``states``."""
         with self._lock:
             for t, ids in enumerate(self.slot_ids):
                 slots = torch.nonzero(ids >= 0).flatten()
-                if len(slots):
-                    rows = self.store.weights[t].index_select(0, ids[slots])
-                    self._weights[t].index_copy_(0, slots.to(self.device), rows.to(self.device))
+                if not len(slots):
+                    continue
+                on_device = slots.to(self.device)
+                sources = [(self._weights[t], self.store.weights[t])]
+                if states:
+                    sources += list(zip(self._states[t], self.store.states[t]))
+                for cached, stored in sources:
+                    cached.index_copy_(
+                        0, on_device, stored.index_select(0, ids[slots]).to(self.device)
+                    )
 
     # The three moves below hold the lock (taken by the public methods above).
 

@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
+from torchrec.distributed.batched_embedding_kernel import (
+    BatchedFusedEmbeddingBag,
+    EmbeddingFusedOptimizer,
+)
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import (
@@ -92,6 +95,7 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
             self._feature_table_map,
             cache,
         )
+        self._optim = CacheAwareFusedOptimizer(config, self._emb_module, pg, self.cached)
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.cached.step_running:
@@ -108,6 +112,32 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
             )
         self.cached.write_back()
         return super().forward(features, *args, **kwargs)  # the store TBE: current weights
+
+
+class CacheAwareFusedOptimizer(EmbeddingFusedOptimizer):
+    """TorchRec's fused optimizer over the store TBE, kept in step with the cache.
+
+    Its state tensors are the store's: reading them (``state``, which
+    ``CombinedOptimizer`` and ``state_dict()`` go through) writes the cache back
+    first, and loading them reloads the cached rows' weights and state.
+    """
+
+    def __init__(self, config, emb_module, pg, cached: CachedTables) -> None:  # noqa: ANN001
+        self._cached = cached
+        super().__init__(config, emb_module, pg)
+
+    @property
+    def state(self) -> Any:
+        self._cached.write_back()
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._state = value
+
+    def post_load_state_dict(self) -> None:
+        super().post_load_state_dict()
+        self._cached.cache.refresh(states=True)
 
 
 class LookaheadPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):

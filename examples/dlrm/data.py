@@ -1,0 +1,163 @@
+"""Data for the DLRM example: Criteo's preprocessed ``.npy`` layout, synthetic or real.
+
+Everything ends up as ``day_{i}_dense.npy`` (float32 [N, 13]),
+``day_{i}_sparse.npy`` (int64 [N, 26]) and ``day_{i}_labels.npy`` (int32
+[N, 1]), read with TorchRec's ``InMemoryBinaryCriteoIterDataPipe``: every day
+but the last trains, the last day's halves are validation and test.
+
+* Synthetic (default): Criteo-shaped ids with per-table Zipf skew, and labels
+  drawn from a fixed logistic function of the dense features and of the ids
+  (so a model can learn and AUROC means something). Generated once per set
+  of settings into a cache folder and reused.
+* Real: ``--dataset_path`` with ``day_*.npy`` files, or raw Criteo TSV days
+  (label, 13 integers, 26 hex ids per line), converted once with TorchRec's
+  ``BinaryCriteoUtils.tsv_to_npys`` into ``npy/`` beside them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from iopath.common.file_io import PathManager
+from torchrec.datasets.criteo import (
+    CAT_FEATURE_COUNT,
+    INT_FEATURE_COUNT,
+    BinaryCriteoUtils,
+    InMemoryBinaryCriteoIterDataPipe,
+)
+
+from torchrec_lookahead.data import SyntheticCriteo
+
+PATHS = PathManager()
+
+
+class DataError(ValueError):
+    """The data set is missing, malformed or laid out wrongly."""
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """What a synthetic data set is made of; its hash names the cache folder."""
+
+    scale: float
+    zipf_exponent: float
+    days: int
+    samples_per_day: int
+    seed: int
+
+    def folder(self, root: Path) -> Path:
+        digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+        return root / f"synthetic-{digest[:12]}"
+
+
+def synthetic_days(spec: SyntheticSpec, root: Path) -> Path:
+    """The folder of the synthetic data set, generated (atomically) if not there yet."""
+    folder = spec.folder(root)
+    if (folder / "spec.json").exists():
+        return folder
+    source = SyntheticCriteo(scale=spec.scale, zipf_exponent=spec.zipf_exponent, seed=spec.seed)
+    effects = np.random.default_rng([spec.seed, 7]).uniform(-1.0, 1.0, CAT_FEATURE_COUNT)
+    dense_weights = np.linspace(-0.8, 0.8, INT_FEATURE_COUNT)
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".partial-"))
+    for day in range(spec.days):
+        rng = np.random.default_rng([spec.seed, day, 11])
+        sparse = np.stack(
+            source.batch(day, spec.samples_per_day).values, axis=1
+        )  # [N, 26]: one id per feature, as in Criteo
+        counts = rng.poisson(np.exp(rng.normal(1.0, 1.2, (spec.samples_per_day, 13))))
+        dense = np.log(counts + 2.0).astype(np.float32)  # the log transform TorchRec applies
+        # Each id of a table pushes the click rate up or down by a fixed amount.
+        id_effect = np.cos(sparse * 0.618 + np.arange(CAT_FEATURE_COUNT)) @ effects
+        logits = (dense - dense.mean()) @ dense_weights + 0.6 * id_effect - 1.3
+        labels = (rng.random(spec.samples_per_day) < 1 / (1 + np.exp(-logits))).astype(np.int32)
+        np.save(staging / f"day_{day}_dense.npy", dense)
+        np.save(staging / f"day_{day}_sparse.npy", sparse.astype(np.int64))
+        np.save(staging / f"day_{day}_labels.npy", labels.reshape(-1, 1))
+    (staging / "spec.json").write_text(json.dumps(asdict(spec)))
+    try:
+        os.replace(staging, folder)  # another process may have won the race: fine
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def real_days(path: str) -> Path:
+    """The folder holding ``day_*.npy`` for ``path``; raw TSV days are converted once."""
+    if not PATHS.exists(path):
+        raise DataError(f"--dataset_path {path}: no such folder")
+    folder = Path(path)
+    if list(folder.glob("day_*_dense.npy")):
+        return folder
+    tsvs = sorted(
+        p for p in folder.iterdir() if p.suffix in (".tsv", ".txt") or p.name.startswith("day_")
+    )
+    if not tsvs:
+        raise DataError(
+            f"--dataset_path {path}: expected day_<i>_dense/sparse/labels.npy files or raw "
+            "Criteo TSV days (day_0, day_1, ... or *.tsv), found neither"
+        )
+    out = folder / "npy"
+    if not (out / "done").exists():
+        staging = Path(tempfile.mkdtemp(dir=folder, prefix=".npy-partial-"))
+        for day, tsv in enumerate(tsvs):
+            try:
+                BinaryCriteoUtils.tsv_to_npys(
+                    str(tsv),
+                    *(str(staging / f"day_{day}_{k}.npy") for k in ("dense", "sparse", "labels")),
+                )
+            except (ValueError, IndexError) as error:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise DataError(f"{tsv}: not a Criteo TSV file ({error})") from error
+        (staging / "done").write_text("")
+        os.replace(staging, out)
+    return out
+
+
+def day_files(folder: Path) -> list[tuple[str, str, str]]:
+    """``(dense, sparse, labels)`` paths per day, checked for shape and agreement."""
+    days = []
+    day = 0
+    while (folder / f"day_{day}_dense.npy").exists():
+        paths = tuple(str(folder / f"day_{day}_{k}.npy") for k in ("dense", "sparse", "labels"))
+        missing = [p for p in paths if not Path(p).exists()]
+        if missing:
+            raise DataError(f"{folder}: day {day} lacks {missing}")
+        shapes = [np.load(p, mmap_mode="r").shape for p in paths]
+        want = [(INT_FEATURE_COUNT,), (CAT_FEATURE_COUNT,), (1,)]
+        if [s[1:] for s in shapes] != want or len({s[0] for s in shapes}) != 1:
+            raise DataError(
+                f"{folder}: day {day} has shapes {shapes}; expected dense [N, 13], "
+                "sparse [N, 26] and labels [N, 1] with the same N"
+            )
+        days.append(paths)
+        day += 1
+    if len(days) < 2:
+        raise DataError(
+            f"{folder}: need at least 2 days (train, then validation/test), found {len(days)}"
+        )
+    return days
+
+
+def loader(
+    days: list[tuple[str, str, str]],
+    stage: str,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    num_embeddings: list[int],
+) -> InMemoryBinaryCriteoIterDataPipe:
+    """TorchRec's in-memory Criteo reader for ``stage`` (train, val or test)."""
+    chosen = days[:-1] if stage == "train" else days[-1:]
+    dense, sparse, labels = (list(paths) for paths in zip(*chosen))
+    return InMemoryBinaryCriteoIterDataPipe(
+        stage, dense, sparse, labels, batch_size=batch_size, rank=rank, world_size=world_size,
+        drop_last=True, hashes=num_embeddings,
+    )  # fmt: skip
