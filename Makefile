@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo oracle test lint bench clean
 
 install: $(STAMP)
 
@@ -12,8 +12,13 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/cuda.txt requirements
 	bash scripts/install.sh $(VENV)
 	touch $(STAMP)
 
-# The main job (until the DLRM example lands): the oracle report.
+# The main job: TorchRec's DLRM example with lookahead caching on built-in
+# synthetic Criteo-shaped data, plain TorchRec beside it for comparison.
 demo: install
+	$(PY) examples/dlrm/dlrm_main.py --baseline --out results/dlrm
+
+# The oracle report: misses against LRU / LFU / MIN, planning speed.
+oracle: install
 	$(PY) benchmarks/oracle.py --out results/oracle
 
 test: install
@@ -30,4 +35,4 @@ bench: install
 	$(PY) benchmarks/step_time.py --out results/step_time_ws2 --world-size 2
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) results .cache .pytest_cache .hypothesis *.egg-info

@@ -33,11 +33,14 @@ class CacheSizing:
 
     ``cache_rows[name]`` (slots for the whole table) wins over
     ``cache_load_factor`` (a share of the rows); a sharding plan's per-table
-    load factor wins over both. A shard gets its share of the table's slots.
+    load factor wins over both. A shard gets its share of the table's slots,
+    and never fewer than ``min_rows`` (nor more than it has rows): a floor
+    that lets small tables be cached whole.
     """
 
     cache_load_factor: float = 0.1
     cache_rows: Mapping[str, int] = field(default_factory=dict)
+    min_rows: int = 1
 
     def rows(
         self, name: str, num_embeddings: int, local_rows: int, plan_load_factor: float | None = None
@@ -48,7 +51,7 @@ class CacheSizing:
             wanted = math.ceil(self.cache_rows[name] * local_rows / num_embeddings)
         else:
             wanted = math.ceil(self.cache_load_factor * local_rows)
-        return max(1, min(local_rows, wanted))
+        return min(local_rows, max(self.min_rows, wanted, 1))
 
 
 class CachedTables:
@@ -78,6 +81,7 @@ class CachedTables:
         self._running: torch.Tensor | None = None  # slots of the step being run
         self._dirty = False  # cache rows updated since the last write-back
         self.metrics = [CacheMetrics() for _ in names]
+        self.step_counts: dict[int, list[int]] = {}  # step -> [distinct ids, misses], all tables
 
     @property
     def cache_rows(self) -> list[int]:
@@ -93,6 +97,7 @@ class CachedTables:
         ]
         self._slots.clear()
         self._running = None
+        self.step_counts.clear()
 
     def prepare(self, features: KeyedJaggedTensor) -> list[PreparedBatch]:
         """Check a batch for every table (ids, capacity) without changing anything."""
@@ -106,6 +111,8 @@ class CachedTables:
         for metrics, batch in zip(self.metrics, prepared):
             metrics.lookups += len(batch.ids)
             metrics.unique_ids += len(batch.unique)
+        if prepared:
+            self.step_counts[prepared[0].step] = [sum(len(b.unique) for b in prepared), 0]
         return self._planned([oracle.push(batch) for oracle, batch in zip(self._oracles, prepared)])
 
     def finish(self) -> list[tuple[int, StepMoves]]:
@@ -156,6 +163,7 @@ class CachedTables:
         self._slots[step] = torch.from_numpy(np.concatenate([p.slots for p in plans])).to(
             self.cache.device
         )
+        self.step_counts[step][1] = sum(plan.num_misses for plan in plans)
         moves = []
         for t, (plan, metrics) in enumerate(zip(plans, self.metrics)):
             metrics.steps += 1

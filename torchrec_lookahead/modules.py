@@ -49,6 +49,8 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         cache_rows: slots per table name, overriding ``cache_load_factor``.
         fused_params: FBGEMM TBE settings (``optimizer``, ``learning_rate``,
             ...), used where ``apply_optimizer_in_backward`` was not.
+        min_cache_rows: no table (or shard) gets fewer slots, unless it has
+            fewer rows: e.g. what a window can touch, ``(d + 1) x batch`` ids.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         cache_load_factor: float = 0.1,
         cache_rows: Mapping[str, int] | None = None,
         fused_params: Mapping[str, Any] | None = None,
+        min_cache_rows: int = 1,
     ) -> None:
         compute = torch.device(device) if device is not None else torch.device("cpu")
         host = compute if compute.type == "meta" else torch.device("cpu")
@@ -76,7 +79,9 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         poolings = {t.pooling for t in tables}
         if len(poolings) > 1 or not poolings <= set(_POOLING):
             raise ValueError(f"tables must share one pooling, SUM or MEAN; got {poolings}")
-        self.sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}))
+        if min_cache_rows < 1:
+            raise ValueError(f"min_cache_rows must be at least 1, got {min_cache_rows}")
+        self.sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}), min_cache_rows)
         self._fused_params = dict(fused_params or {})
         self._pooling = _POOLING[poolings.pop()]
         self._flat_features = [f for names in self._feature_names for f in names]
@@ -130,6 +135,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         if self._cached is None:
             return [CacheMetrics() for _ in self._embedding_bag_configs]
         return self._cached.metrics
+
+    @property
+    def cached_groups(self) -> list[CachedTables]:
+        """The group of cached tables (one, once training has started)."""
+        return [self._cached] if self._cached is not None else []
 
     def cache_metrics(self) -> dict[str, CacheMetrics]:
         """Counters per table name."""

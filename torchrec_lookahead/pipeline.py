@@ -114,6 +114,19 @@ class LookaheadTrainPipeline(TrainPipeline):
         total.wait_s, total.plan_s = self.timings["wait_s"], self.timings["plan_s"]
         return per_table | {"total": total}
 
+    def hit_rates(self) -> list[float]:
+        """Per step planned so far, the share of its distinct ids (over every cached table
+        of this rank) that were already resident: a hit-rate curve over training."""
+        counts: dict[int, list[int]] = {}
+        for group in (g for m in self._cached for g in m.cached_groups):
+            for step, (unique, misses) in group.step_counts.items():
+                total = counts.setdefault(step, [0, 0])
+                total[0] += unique
+                total[1] += misses
+        return [
+            1 - misses / unique if unique else 1.0 for _, (unique, misses) in sorted(counts.items())
+        ]
+
     def close(self) -> None:
         """Stop the executor thread (after the moves already issued); done at the end of data."""
         self._executor.close()

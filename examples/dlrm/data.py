@@ -159,5 +159,5 @@ def loader(
     dense, sparse, labels = (list(paths) for paths in zip(*chosen))
     return InMemoryBinaryCriteoIterDataPipe(
         stage, dense, sparse, labels, batch_size=batch_size, rank=rank, world_size=world_size,
-        drop_last=True, hashes=num_embeddings,
+        drop_last=stage == "train", hashes=num_embeddings,
     )  # fmt: skip

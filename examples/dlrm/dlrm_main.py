@@ -1,0 +1,475 @@
+"""TorchRec's DLRM example, trained with lookahead embedding caching.
+
+The flags and behaviour follow TorchRec's DLRM example (``torchrec_dlrm/
+dlrm_main.py``): DLRM or DCN interaction, ``EmbeddingShardingPlanner``,
+``DistributedModelParallel``, fused embedding optimizer, ``torchrun`` for several
+processes, gloo on CPU and NCCL on CUDA. On top: ``--lookahead``,
+``--prefetch_distance`` and ``--cache_load_factor`` for the cache, and
+``--baseline`` to train plain TorchRec (every row resident) beside it from the
+same weights on the same data and compare.
+
+    python examples/dlrm/dlrm_main.py --baseline                   # synthetic Criteo-shaped data
+    torchrun --standalone --nproc_per_node 2 examples/dlrm/dlrm_main.py
+    python examples/dlrm/dlrm_main.py --dataset_path /data/criteo  # day_*.npy or raw TSV days
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torchmetrics  # noqa: E402
+from checkpoint import latest, load, save  # noqa: E402
+from data import DataError, SyntheticSpec, day_files, loader, real_days, synthetic_days  # noqa: E402
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES  # noqa: E402
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
+from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: E402
+from torchrec.distributed.planner import (  # noqa: E402
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    Topology,
+)
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist  # noqa: E402
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.optim import SGD, RowWiseAdagrad  # noqa: E402
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper  # noqa: E402
+from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from torchrec_lookahead import (  # noqa: E402
+    LookaheadEmbeddingBagCollection,
+    LookaheadEmbeddingBagCollectionSharder,
+    LookaheadTrainPipeline,
+)
+from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="DLRM with lookahead embedding caching (TorchRec)")
+    # As in TorchRec's DLRM example.
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=1024, help="per rank")
+    p.add_argument("--test_batch_size", type=int, default=None)
+    p.add_argument("--limit_train_batches", type=int, default=None)
+    p.add_argument("--limit_val_batches", type=int, default=None)
+    p.add_argument("--limit_test_batches", type=int, default=None)
+    p.add_argument("--embedding_dim", type=int, default=16)
+    p.add_argument("--dense_arch_layer_sizes", type=str, default="64,16")
+    p.add_argument("--over_arch_layer_sizes", type=str, default="64,32,1")
+    p.add_argument("--interaction_type", choices=["original", "dcn"], default="original")
+    p.add_argument("--dcn_num_layers", type=int, default=3)
+    p.add_argument("--dcn_low_rank_dim", type=int, default=16)
+    p.add_argument("--learning_rate", type=float, default=0.1)
+    p.add_argument("--adagrad", action="store_true", help="row-wise Adagrad / Adagrad, not SGD")
+    p.add_argument(
+        "--num_embeddings_per_feature",
+        type=str,
+        default=None,
+        help="26 comma-separated table sizes (real data: ids are taken modulo these)",
+    )
+    p.add_argument(
+        "--dataset_path",
+        type=str,
+        default=None,
+        help="day_<i>_{dense,sparse,labels}.npy or raw Criteo TSV days",
+    )
+    p.add_argument("--shuffle_batches", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--print_sharding_plan", action="store_true")
+    # Synthetic data (when no --dataset_path).
+    p.add_argument("--scale", type=float, default=0.01, help="Criteo Kaggle table sizes times this")
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--synthetic_days", type=int, default=3)
+    p.add_argument("--synthetic_samples_per_day", type=int, default=131072)
+    p.add_argument("--data_cache", type=str, default=".cache/dlrm-data")
+    # Lookahead caching.
+    p.add_argument("--lookahead", type=int, default=16)
+    p.add_argument("--prefetch_distance", type=int, default=1)
+    p.add_argument("--cache_load_factor", type=float, default=0.1)
+    p.add_argument("--baseline", action="store_true", help="also train plain TorchRec and compare")
+    # Checkpoints and output.
+    p.add_argument("--save_dir", type=str, default=None)
+    p.add_argument("--checkpoint_every", type=int, default=None, help="steps; also at the end")
+    p.add_argument("--resume", action="store_true", help="continue from --save_dir's latest")
+    p.add_argument("--out", type=str, default="results/dlrm", help="summary JSON and PNG")
+    args = p.parse_args(argv)
+
+    def positive(name: str, allow_none: bool = True) -> None:
+        value = getattr(args, name)
+        if (value is None and not allow_none) or (value is not None and value < 1):
+            p.error(f"--{name} must be a positive integer, got {value}")
+
+    for name in ("epochs", "batch_size", "embedding_dim", "synthetic_days",
+                 "synthetic_samples_per_day", "test_batch_size", "limit_train_batches",
+                 "limit_val_batches", "limit_test_batches", "checkpoint_every"):  # fmt: skip
+        positive(name)
+    if args.lookahead < 1:
+        p.error(
+            f"--lookahead must be at least 1 (the oracle needs to see ahead), got {args.lookahead}"
+        )
+    if args.prefetch_distance < 0:
+        p.error(f"--prefetch_distance must be >= 0, got {args.prefetch_distance}")
+    if not 0 < args.cache_load_factor <= 1:
+        p.error(f"--cache_load_factor must be in (0, 1], got {args.cache_load_factor}")
+    if args.synthetic_days < 2:
+        p.error("--synthetic_days must be at least 2 (train, then validation/test)")
+    if (args.resume or args.checkpoint_every) and not args.save_dir:
+        p.error("--resume and --checkpoint_every need --save_dir")
+    if args.resume and args.baseline:
+        p.error("--resume continues the lookahead run only; run --baseline from the start")
+    try:
+        args.dense_arch = [int(x) for x in args.dense_arch_layer_sizes.split(",")]
+        args.over_arch = [int(x) for x in args.over_arch_layer_sizes.split(",")]
+    except ValueError:
+        p.error("layer sizes are comma-separated integers, e.g. --dense_arch_layer_sizes 64,16")
+    if args.dense_arch[-1] != args.embedding_dim:
+        p.error(f"the dense arch must end in --embedding_dim ({args.embedding_dim}), "
+                f"got {args.dense_arch_layer_sizes}")  # fmt: skip
+    if args.over_arch[-1] != 1:
+        p.error(f"the over arch must end in 1, got {args.over_arch_layer_sizes}")
+    if args.num_embeddings_per_feature is not None:
+        sizes = args.num_embeddings_per_feature.split(",")
+        if len(sizes) != len(DEFAULT_CAT_NAMES) or not all(
+            s.isdigit() and int(s) > 0 for s in sizes
+        ):
+            p.error("--num_embeddings_per_feature needs 26 positive comma-separated integers")
+        args.num_embeddings = [int(s) for s in sizes]
+    elif args.dataset_path:
+        args.num_embeddings = list(CRITEO_KAGGLE_TABLE_SIZES)
+    else:
+        args.num_embeddings = list(SyntheticCriteo(scale=args.scale).num_embeddings)
+    return args
+
+
+# ------------------------------------------------------------------ set-up
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """torchrun's process group, or a one-process group; gloo on CPU, NCCL on CUDA."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def dataset(args: argparse.Namespace, rank: int) -> list[tuple[str, str, str]]:
+    if args.dataset_path:
+        folder = real_days(args.dataset_path) if rank == 0 else None
+    else:
+        spec = SyntheticSpec(args.scale, args.zipf, args.synthetic_days,
+                             args.synthetic_samples_per_day, args.seed)  # fmt: skip
+        folder = synthetic_days(spec, Path(args.data_cache)) if rank == 0 else None
+    shared = [str(folder) if folder else None]
+    dist.broadcast_object_list(shared, src=0)  # rank 0 generated or converted it
+    return day_files(Path(shared[0]))
+
+
+def tables(args: argparse.Namespace) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=args.embedding_dim,
+                           num_embeddings=rows, feature_names=[name])
+        for name, rows in zip(DEFAULT_CAT_NAMES, args.num_embeddings)
+    ]  # fmt: skip
+
+
+def build(args, lookahead: bool, world_size: int, device: torch.device):
+    """The DLRM training model under DMP, with the fused embedding optimizer configured."""
+    meta = torch.device("meta")
+    if lookahead:
+        # One id per sample and feature: d+1 steps touch at most this many rows of a table,
+        # so no cache is too small for the window, and small tables are cached whole.
+        window_rows = (args.prefetch_distance + 1) * args.batch_size * world_size
+        ebc = LookaheadEmbeddingBagCollection(tables(args), device=meta,
+                                              cache_load_factor=args.cache_load_factor,
+                                              min_cache_rows=window_rows)  # fmt: skip
+        sharders = [LookaheadEmbeddingBagCollectionSharder()]
+    else:
+        ebc = EmbeddingBagCollection(tables(args), device=meta)
+        sharders = [EmbeddingBagCollectionSharder()]
+    torch.manual_seed(args.seed)
+    if args.interaction_type == "dcn":
+        net = DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=13,
+                       dense_arch_layer_sizes=args.dense_arch, over_arch_layer_sizes=args.over_arch,
+                       dcn_num_layers=args.dcn_num_layers, dcn_low_rank_dim=args.dcn_low_rank_dim,
+                       dense_device=device)  # fmt: skip
+    else:
+        net = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+                   dense_arch_layer_sizes=args.dense_arch, over_arch_layer_sizes=args.over_arch,
+                   dense_device=device)  # fmt: skip
+    model = DLRMTrain(net)
+    embedding_optimizer = RowWiseAdagrad if args.adagrad else SGD
+    apply_optimizer_in_backward(embedding_optimizer, model.model.sparse_arch.parameters(),
+                                {"lr": args.learning_rate})  # fmt: skip
+    # Both models get the same plan (table-wise, fused), so they can be compared.
+    kernel = "fused_uvm_caching" if device.type == "cuda" else "fused"
+    same_plan = {
+        t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[kernel])
+        for t in tables(args)
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device=device.type),
+        batch_size=args.batch_size, constraints=same_plan,
+    )  # fmt: skip
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    if args.print_sharding_plan and dist.get_rank() == 0:
+        print(plan)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dense_class = torch.optim.Adagrad if args.adagrad else torch.optim.SGD
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda ps: dense_class(ps, lr=args.learning_rate))  # fmt: skip
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class Run:
+    """What one training run measured."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    hit_rate: list[float] = field(default_factory=list)
+    samples: int = 0
+    seconds: float = 0.0
+    auroc: dict[str, float] = field(default_factory=dict)
+    cache: dict[str, float] = field(default_factory=dict)
+
+
+def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start_step: int) -> Run:
+    """One pass over --epochs of training data through ``name``'s pipeline."""
+    run = Run(name)
+    lookahead = name == "lookahead"
+    if lookahead:
+        pipeline = LookaheadTrainPipeline(dmp, optimizer, device, lookahead=args.lookahead,
+                                          prefetch_distance=args.prefetch_distance)  # fmt: skip
+    else:
+        pipeline = TrainPipelineSparseDist(dmp, optimizer, device)
+    batches = itertools.chain.from_iterable(
+        loader(days, "train", args.batch_size, rank, world_size, args.num_embeddings)
+        for _ in range(args.epochs)
+    )
+    total = args.limit_train_batches
+    batches = itertools.islice(batches, start_step, total)
+    bar = tqdm(desc=f"train {name}", total=None if total is None else total - start_step,
+               unit="step", disable=rank != 0)  # fmt: skip
+    step = start_step
+    dmp.train()
+    while True:
+        start = time.perf_counter()
+        try:
+            pipeline.progress(batches)
+        except StopIteration:
+            break
+        elapsed = time.perf_counter() - start
+        step += 1
+        run.step_s.append(elapsed)
+        run.seconds += elapsed
+        run.samples += args.batch_size * world_size
+        postfix = {"samples/s": f"{args.batch_size * world_size / elapsed:,.0f}"}
+        if lookahead:
+            postfix["hit rate"] = f"{pipeline.cache_metrics()['total'].hit_rate:.3f}"
+        bar.set_postfix(postfix)
+        bar.update()
+        if lookahead and args.checkpoint_every and step % args.checkpoint_every == 0:
+            save(args.save_dir, step, checkpoint_state(dmp, optimizer, step))
+    bar.close()
+    if lookahead:
+        run.hit_rate = pipeline.hit_rates()
+        metrics = pipeline.cache_metrics()["total"]
+        steps = max(metrics.steps, 1)
+        run.cache = {
+            "hit_rate": metrics.hit_rate,
+            "rows_fetched_per_step": metrics.rows_fetched / steps,
+            "rows_written_back_per_step": metrics.rows_written_back / steps,
+            "executor_wait_ms_per_step": 1000 * metrics.wait_s / steps,
+            "oracle_ms_per_step": 1000 * metrics.plan_s / steps,
+        }
+        if args.save_dir:
+            save(args.save_dir, step, checkpoint_state(dmp, optimizer, step))
+    else:
+        pipeline.detach()  # TorchRec's pipeline rewrote the forward; give it back for eval
+    return run
+
+
+def checkpoint_state(dmp, optimizer, step: int) -> dict:
+    return {"model": dmp.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+
+
+def evaluate(args, dmp, days, stage: str, rank, world_size, device) -> float:
+    """AUROC over ``stage`` (val or test); the lookahead model reads its current weights."""
+    limit = args.limit_val_batches if stage == "val" else args.limit_test_batches
+    auroc = torchmetrics.AUROC(task="binary").to(device)
+    batches = loader(days, stage, args.test_batch_size or args.batch_size, rank, world_size,
+                     args.num_embeddings)  # fmt: skip
+    dmp.eval()
+    with torch.no_grad():
+        for batch in itertools.islice(batches, limit):
+            _, (_, logits, labels) = dmp(batch.to(device))
+            auroc.update(torch.sigmoid(logits), labels.int())
+    dmp.train()
+    return float(auroc.compute())
+
+
+def weights_digest(dmp) -> str:
+    """A hash of this rank's shards of every table and every dense parameter."""
+    digest = hashlib.sha256()
+    for key, value in dmp.state_dict().items():
+        tensors = (
+            [s.tensor for s in value.local_shards()] if hasattr(value, "local_shards") else [value]
+        )
+        for tensor in tensors:
+            digest.update(key.encode())
+            digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run(args: argparse.Namespace) -> int:
+    rank, world_size, device = init_distributed()
+    days = dataset(args, rank)
+    look, look_opt = build(args, lookahead=True, world_size=world_size, device=device)
+    runs = []
+    if args.baseline:
+        base, base_opt = build(args, lookahead=False, world_size=world_size, device=device)
+        look.load_state_dict(base.state_dict())  # same starting weights, from a plain checkpoint
+    start_step = 0
+    if args.resume and (path := latest(args.save_dir)):
+        state = checkpoint_state(look, look_opt, 0)
+        load(path, state)
+        look.load_state_dict(state["model"])
+        look_opt.load_state_dict(state["optimizer"])
+        start_step = state["step"]
+        if rank == 0:
+            print(f"resumed from {path} at step {start_step}")
+
+    models = [("lookahead", look, look_opt)] + (
+        [("baseline", base, base_opt)] if args.baseline else []
+    )
+    for name, dmp, optimizer in models:
+        start = start_step if name == "lookahead" else 0
+        result = train(args, name, dmp, optimizer, days, rank, world_size, device, start)
+        for stage in ("val", "test"):
+            result.auroc[stage] = evaluate(args, dmp, days, stage, rank, world_size, device)
+        runs.append(result)
+    same = None
+    if args.baseline:
+        same = torch.tensor([weights_digest(look) == weights_digest(base)], dtype=torch.int64)
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        same = bool(same.item())
+    digest = weights_digest(look)
+    sharded = [m for m in look.modules() if hasattr(m, "cached_groups")]
+    cached = torch.tensor([sum(sum(g.cache_rows) for m in sharded for g in m.cached_groups)])
+    dist.all_reduce(cached)  # every rank caches only its own shards
+    if rank == 0:
+        report(args, runs, same, digest, world_size, int(cached.item()))
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------ output
+
+
+def cells(run: Run) -> dict[str, str]:
+    """One column of the summary table."""
+    cache = run.cache
+    return {
+        "samples/s": f"{run.samples / run.seconds:,.0f}" if run.seconds else "-",
+        "val AUROC": f"{run.auroc['val']:.4f}",
+        "test AUROC": f"{run.auroc['test']:.4f}",
+        "cache hit rate": f"{cache['hit_rate']:.3f}" if cache else "all resident",
+        "rows fetched / step": f"{cache['rows_fetched_per_step']:,.0f}" if cache else "-",
+        "rows written back / step": f"{cache['rows_written_back_per_step']:,.0f}" if cache else "-",
+        "executor wait ms / step": f"{cache['executor_wait_ms_per_step']:.2f}" if cache else "-",
+        "oracle ms / step": f"{cache['oracle_ms_per_step']:.2f}" if cache else "-",
+    }
+
+
+def report(args, runs: list[Run], same: bool | None, digest: str, world_size: int,
+           cache_rows: int) -> None:  # fmt: skip
+    table = [cells(r) for r in runs]
+    names = [r.name for r in runs]
+    rows = sum(args.num_embeddings)
+    print(f"\nDLRM ({args.interaction_type}), world size {world_size}, batch {args.batch_size} "
+          f"per rank, {len(runs[0].step_s)} steps, lookahead {args.lookahead}; cache "
+          f"{cache_rows:,} of {rows:,} rows ({cache_rows / rows:.1%}: "
+          f"{args.cache_load_factor:.0%} per table, small tables whole)")  # fmt: skip
+    print(f"{'':>26}" + "".join(f"{n:>16}" for n in names))
+    for label in table[0]:
+        print(f"{label:>26}" + "".join(f"{column[label]:>16}" for column in table))
+    if same is not None:
+        print(f"{'final weights match':>26}{'yes' if same else 'NO':>16}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"config": {k: v for k, v in vars(args).items()}, "runs": [vars(r) for r in runs],
+               "weights_match": same, "weights_digest": digest, "world_size": world_size,
+               "cache_rows": cache_rows, "rows": rows}  # fmt: skip
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    plot(runs, out / "training.png")
+    print(f"wrote {out / 'summary.json'} and {out / 'training.png'}")
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    look = runs[0]
+    first = len(look.step_s) - len(look.hit_rate) + 1  # a resumed run plans only its own steps
+    top.plot(
+        range(first, first + len(look.hit_rate)), look.hit_rate, color="tab:orange", linewidth=1
+    )
+    top.set_ylabel("cache hit rate")
+    top.set_ylim(0, 1)
+    top.grid(alpha=0.3)
+    for r in runs:
+        bottom.plot(
+            range(1, len(r.step_s) + 1), [1000 * s for s in r.step_s], label=r.name, linewidth=1
+        )
+    bottom.set_ylabel("step time (ms)")
+    bottom.set_xlabel("step")
+    bottom.grid(alpha=0.3)
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (DataError, ValueError) as error:  # bad data or settings: one line, no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
