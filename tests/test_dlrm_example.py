@@ -30,8 +30,9 @@ def run(tmp: Path, *flags: str, ranks: int = 1) -> tuple[subprocess.CompletedPro
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
-    done, summary = run(tmp_path, *TINY, "--limit_train_batches", "30", "--baseline",
-                        "--adagrad", ranks=ranks)  # fmt: skip
+    interaction = ["--interaction_type", "dcn"] if ranks == 1 else []  # both archs covered
+    done, summary = run(tmp_path, *TINY, *interaction, "--limit_train_batches", "30",
+                        "--baseline", "--adagrad", ranks=ranks)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert summary["weights_match"] is True and summary["world_size"] == ranks
     look, base = summary["runs"]
