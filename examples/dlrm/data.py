@@ -153,11 +153,14 @@ def loader(
     rank: int,
     world_size: int,
     num_embeddings: list[int],
+    shuffle_batches: bool = False,
 ) -> InMemoryBinaryCriteoIterDataPipe:
-    """TorchRec's in-memory Criteo reader for ``stage`` (train, val or test)."""
+    """TorchRec's in-memory Criteo reader for ``stage`` (train, val or test); shuffling
+    (within each batch, seeded, so every run sees the same order) applies to training."""
     chosen = days[:-1] if stage == "train" else days[-1:]
     dense, sparse, labels = (list(paths) for paths in zip(*chosen))
     return InMemoryBinaryCriteoIterDataPipe(
         stage, dense, sparse, labels, batch_size=batch_size, rank=rank, world_size=world_size,
         drop_last=stage == "train", hashes=num_embeddings,
+        shuffle_batches=shuffle_batches and stage == "train",
     )  # fmt: skip
