@@ -81,7 +81,8 @@ class CachedTables:
         self._running: torch.Tensor | None = None  # slots of the step being run
         self._dirty = False  # cache rows updated since the last write-back
         self.metrics = [CacheMetrics() for _ in names]
-        self.step_counts: dict[int, list[int]] = {}  # step -> [distinct ids, misses], all tables
+        # step -> (distinct ids, misses) per table: one small entry per step trained
+        self.step_counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def cache_rows(self) -> list[int]:
@@ -112,7 +113,8 @@ class CachedTables:
             metrics.lookups += len(batch.ids)
             metrics.unique_ids += len(batch.unique)
         if prepared:
-            self.step_counts[prepared[0].step] = [sum(len(b.unique) for b in prepared), 0]
+            distinct = np.array([len(b.unique) for b in prepared])
+            self.step_counts[prepared[0].step] = (distinct, np.zeros_like(distinct))
         return self._planned([oracle.push(batch) for oracle, batch in zip(self._oracles, prepared)])
 
     def finish(self) -> list[tuple[int, StepMoves]]:
@@ -163,7 +165,7 @@ class CachedTables:
         self._slots[step] = torch.from_numpy(np.concatenate([p.slots for p in plans])).to(
             self.cache.device
         )
-        self.step_counts[step][1] = sum(plan.num_misses for plan in plans)
+        self.step_counts[step][1][:] = [plan.num_misses for plan in plans]
         moves = []
         for t, (plan, metrics) in enumerate(zip(plans, self.metrics)):
             metrics.steps += 1

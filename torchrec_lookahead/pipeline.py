@@ -121,8 +121,8 @@ class LookaheadTrainPipeline(TrainPipeline):
         for group in (g for m in self._cached for g in m.cached_groups):
             for step, (unique, misses) in group.step_counts.items():
                 total = counts.setdefault(step, [0, 0])
-                total[0] += unique
-                total[1] += misses
+                total[0] += int(unique.sum())
+                total[1] += int(misses.sum())
         return [
             1 - misses / unique if unique else 1.0 for _, (unique, misses) in sorted(counts.items())
         ]

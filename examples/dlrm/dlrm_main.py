@@ -272,8 +272,15 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
     else:
         pipeline = TrainPipelineSparseDist(dmp, optimizer, device)
     batches = itertools.chain.from_iterable(
-        loader(days, "train", args.batch_size, rank, world_size, args.num_embeddings,
-               args.shuffle_batches)
+        loader(
+            days,
+            "train",
+            args.batch_size,
+            rank,
+            world_size,
+            args.num_embeddings,
+            args.shuffle_batches,
+        )
         for _ in range(args.epochs)
     )
     total = args.limit_train_batches

@@ -1,0 +1,63 @@
+"""What a lookahead cache of a given size costs one table: memory, traffic, stall."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+from planners.statistics import LookaheadCacheStatistics
+
+__all__ = ["TableCacheCost", "optimizer_state_floats"]
+
+SLOT_INDEX_BYTES = 8  # the cache's slot -> row map, per slot
+ORACLE_BYTES_PER_ROW = 12  # the oracle's slot map and latest occurrence, per table row
+
+
+def optimizer_state_floats(optimizer: EmbOptimType, dim: int) -> int:
+    """Optimizer state per row, in floats, for FBGEMM's fused optimizers."""
+    return {
+        EmbOptimType.EXACT_SGD: 0,
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD: 1,
+        EmbOptimType.EXACT_ADAGRAD: dim,
+        EmbOptimType.ADAM: 2 * dim,
+        EmbOptimType.PARTIAL_ROWWISE_ADAM: dim + 1,
+    }.get(optimizer, dim)
+
+
+@dataclass(frozen=True)
+class TableCacheCost:
+    """Costs of caching ``load_factor`` of a table's rows (all of its shards together).
+
+    Device memory: cache rows x (weights + optimizer state) + the slot index.
+    Host memory: the full table with optimizer state + the oracle's per-row state.
+    Traffic: each miss fetches a row and, in steady state, writes one back.
+    """
+
+    name: str
+    num_rows: int
+    dim: int
+    state_floats: int
+    stats: LookaheadCacheStatistics
+
+    @property
+    def row_bytes(self) -> int:
+        return 4 * (self.dim + self.state_floats)
+
+    def cache_rows(self, load_factor: float) -> int:
+        floor = math.ceil(self.stats.min_load_factor * self.num_rows)
+        return min(self.num_rows, max(math.ceil(load_factor * self.num_rows), floor, 1))
+
+    def device_bytes(self, load_factor: float) -> int:
+        return self.cache_rows(load_factor) * (self.row_bytes + SLOT_INDEX_BYTES)
+
+    def host_bytes(self) -> int:
+        return self.num_rows * (self.row_bytes + ORACLE_BYTES_PER_ROW)
+
+    def misses_per_step(self, load_factor: float) -> float:
+        effective = self.cache_rows(load_factor) / self.num_rows
+        return self.stats.expected_miss_rate(effective) * self.stats.expected_lookups
+
+    def bytes_per_step(self, load_factor: float) -> float:
+        return 2 * self.misses_per_step(load_factor) * self.row_bytes

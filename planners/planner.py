@@ -1,0 +1,102 @@
+"""The entry point: an ``EmbeddingShardingPlanner`` that sizes lookahead caches, and its report."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.types import CacheParams, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from planners.cost import TableCacheCost, optimizer_state_floats
+from planners.estimators import LookaheadPerfEstimator, LookaheadStorageEstimator
+from planners.proposer import CacheProposal, LookaheadCacheProposer
+from planners.statistics import LookaheadCacheStatistics
+
+__all__ = ["lookahead_planner", "plan_report"]
+
+
+def lookahead_planner(
+    topology: Topology,
+    batch_size: int,
+    tables: Sequence[EmbeddingBagConfig],
+    statistics: Mapping[str, LookaheadCacheStatistics],
+    optimizer: EmbOptimType,
+    step_compute_ms: float,
+    cache_budget_bytes: int | None = None,
+    constraints: Mapping[str, ParameterConstraints] | None = None,
+) -> tuple[EmbeddingShardingPlanner, CacheProposal]:
+    """A planner for models with ``LookaheadEmbeddingBagCollection``s, and the cache sizes it uses.
+
+    Every table with ``statistics`` gets the cache load factor the
+    :class:`LookaheadCacheProposer` picks (through ``cache_params.load_factor``,
+    which sets the module's cache size), and the enumerator estimates storage and
+    perf with the lookahead estimators. Use the planner's ``plan()`` or
+    ``collective_plan()`` as usual.
+
+    Args:
+        topology: CPU or CUDA topology.
+        batch_size: per-rank batch size, as for ``EmbeddingShardingPlanner``.
+        tables: the lookahead tables' configs.
+        statistics: measured miss rates per table name (``LookaheadCacheStatistics``).
+        optimizer: the fused optimizer (its state travels with the rows).
+        step_compute_ms: a step's compute time, which prefetches hide behind.
+        cache_budget_bytes: device memory for all caches (None: grow until stall-free).
+        constraints: other constraints per table (sharding types, ...), kept.
+    """
+    missing = sorted({t.name for t in tables} - set(statistics))
+    if missing:
+        raise ValueError(f"no cache statistics for tables {missing}")
+    costs = {
+        t.name: TableCacheCost(t.name, t.num_embeddings, t.embedding_dim,
+                               optimizer_state_floats(optimizer, t.embedding_dim),
+                               statistics[t.name])
+        for t in tables
+    }  # fmt: skip
+    cpu = topology.compute_device == "cpu"
+    bandwidth = topology.ddr_mem_bw if cpu else topology.hbm_to_ddr_mem_bw
+    proposal = LookaheadCacheProposer(bandwidth, step_compute_ms, cache_budget_bytes).propose(
+        list(costs.values())
+    )
+    merged = dict(constraints or {})
+    for name, clf in proposal.load_factors.items():
+        base = merged.get(name, ParameterConstraints())
+        merged[name] = ParameterConstraints(
+            sharding_types=base.sharding_types,
+            compute_kernels=base.compute_kernels,
+            min_partition=base.min_partition,
+            pooling_factors=base.pooling_factors,
+            cache_params=CacheParams(load_factor=clf, stats=statistics[name]),
+        )
+    estimators = [
+        LookaheadPerfEstimator(topology, costs, merged),
+        LookaheadStorageEstimator(topology, costs, merged),
+    ]
+    enumerator = EmbeddingEnumerator(topology, batch_size, constraints=merged, estimator=estimators)
+    planner = EmbeddingShardingPlanner(
+        topology=topology, batch_size=batch_size, enumerator=enumerator, constraints=merged
+    )
+    return planner, proposal
+
+
+def plan_report(plan: ShardingPlan, proposal: CacheProposal) -> str:
+    """A line per lookahead table: sharding, ranks, cache size, predicted misses, traffic, RAM."""
+    row = "{:<16} {:<18} {:<10} {:>10} {:>9} {:>9} {:>10} {:>9}"
+    lines = [row.format("table", "sharding", "ranks", "cache load", "miss rate", "KiB/step",
+                        "device MiB", "host MiB")]  # fmt: skip
+    for module_plan in plan.plan.values():
+        for name, sharding in module_plan.items():
+            if name not in proposal.load_factors:
+                continue
+            ranks = ",".join(str(r) for r in sorted(set(sharding.ranks or [])))
+            lines.append(row.format(
+                name, sharding.sharding_type, ranks, f"{proposal.load_factors[name]:.3f}",
+                f"{proposal.miss_rates[name]:.3f}", f"{proposal.bytes_per_step[name] / 1024:.1f}",
+                f"{proposal.device_bytes[name] / 2**20:.2f}",
+                f"{proposal.host_bytes[name] / 2**20:.2f}",
+            ))  # fmt: skip
+    lines.append(f"row traffic {proposal.transfer_ms:.3f} ms/step, "
+                 f"stall {proposal.stall_ms:.3f} ms/step beyond compute")  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""``LookaheadCacheStatistics``: a table's miss rate at any cache size, measured by the oracle.
+
+With lookahead the miss rate at a given cache size is not a guess: running the
+oracle over sample batches gives it exactly (for that sample). The statistics
+run it at a grid of cache load factors and interpolate between them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from torchrec.distributed.types import CacheStatistics
+
+from torchrec_lookahead.oracle import as_id_array
+from torchrec_lookahead.simulate import oracle_misses
+
+__all__ = ["LOAD_FACTOR_GRID", "LookaheadCacheStatistics"]
+
+LOAD_FACTOR_GRID = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class LookaheadCacheStatistics(CacheStatistics):
+    """Miss rates of the lookahead oracle on sample batches of one table.
+
+    Misses are counted over the second half of the sample (the first half
+    warms the cache), per distinct id of a step: the rate a long training run
+    settles at, without the first touches of a short sample. Below the
+    smallest workable cache (what ``prefetch_distance + 1`` batches use
+    together) a table cannot be cached; the module floors it there.
+
+    Args:
+        batches: the table's ids in each sample batch (global batches).
+        num_rows: rows of the table; ids are checked against it.
+        lookahead: the pipeline's ``L``.
+        prefetch_distance: the pipeline's ``d``.
+        name: the table, for error messages.
+        grid: cache load factors to measure at.
+    """
+
+    def __init__(
+        self,
+        batches: Sequence[Any],
+        num_rows: int,
+        lookahead: int,
+        prefetch_distance: int = 1,
+        name: str = "table",
+        grid: Sequence[float] = LOAD_FACTOR_GRID,
+    ) -> None:
+        if len(batches) < 2:
+            raise ValueError(f"{name}: need at least 2 sample batches, got {len(batches)}")
+        steps = [
+            as_id_array(b, f"{name}, sample batch {i}", num_rows) for i, b in enumerate(batches)
+        ]
+        distinct = np.array([len(np.unique(s)) for s in steps])
+        if not distinct.sum():
+            raise ValueError(f"{name}: the sample batches hold no ids")
+        self.num_rows = num_rows
+        self._lookups = float(distinct.mean())
+        d = prefetch_distance
+        workable = max(
+            len(np.unique(np.concatenate(steps[max(0, s - d) : s + 1]))) for s in range(len(steps))
+        )
+        self.min_load_factor = workable / num_rows
+        warm = len(steps) // 2
+        self.grid = np.array(sorted(set(grid) | {1.0}), dtype=np.float64)
+        rates = []
+        for clf in self.grid:
+            capacity = min(num_rows, max(math.ceil(clf * num_rows), workable))
+            misses = oracle_misses(steps, capacity, lookahead, d, num_rows)
+            rates.append(misses[warm:].sum() / max(distinct[warm:].sum(), 1))
+        self.rates = np.minimum.accumulate(np.array(rates))  # more cache never misses more
+
+    @property
+    def expected_lookups(self) -> float:
+        """Distinct ids per (global) batch, on average over the sample."""
+        return self._lookups
+
+    def expected_miss_rate(self, clf: float) -> float:
+        """Misses per distinct id with a cache of ``clf`` of the rows (log-linear between
+        measured points; 1 with no cache, 0 with every row cached)."""
+        if clf <= 0:
+            return 1.0
+        if clf >= 1:
+            return 0.0
+        return float(np.interp(math.log(clf), np.log(self.grid), self.rates))
+
+    @property
+    def cacheability(self) -> float:
+        """Mean miss rate over the grid: 0 caches perfectly, 1 not at all."""
+        return float(self.rates.mean())

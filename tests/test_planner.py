@@ -1,0 +1,157 @@
+"""The planner extension: measured miss-rate curves, cache sizing under a budget, plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from models import batches, lookahead_model, train_lookahead
+from torchrec.distributed.planner import Topology
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from planners import (
+    LookaheadCacheProposer,
+    LookaheadCacheStatistics,
+    TableCacheCost,
+    lookahead_planner,
+    plan_report,
+)
+from torchrec_lookahead import (
+    LookaheadEmbeddingBagCollection,
+    LookaheadEmbeddingBagCollectionSharder,
+)
+from torchrec_lookahead.data import SyntheticCriteo
+
+FEATURES = {"t0": (["f0", "f1"], 4000, 0), "t2": (["f3"], 10000, 2)}
+
+
+def table_ids(batch, features):
+    return np.concatenate([batch.sparse_features[f].values().numpy() for f in features])
+
+
+def test_miss_rate_curve_matches_a_training_run_at_two_cache_sizes() -> None:
+    """Statistics from an independent sample of the same length as the run predict the
+    run's miss rate (misses per distinct id, second half, step-aligned) within 0.03."""
+    sample = batches(120, seed=7)
+    stats = {
+        name: LookaheadCacheStatistics([table_ids(b, feats) for b in sample], rows, 8, 1, name)
+        for name, (feats, rows, _) in FEATURES.items()
+    }
+    data = batches(120, seed=0)
+    for clf in (0.1, 0.3):
+        rows = {"t0": int(clf * 4000), "t1": 1500, "t2": int(clf * 10000), "w0": 3000}
+        model = lookahead_model("sgd", cache_rows=rows)
+        train_lookahead(model, data, 8, 1)
+        counts = model.unweighted.cached_groups[0].step_counts
+        for name, (_, _, index) in FEATURES.items():
+            distinct = sum(counts[s][0][index] for s in range(60, 120))
+            misses = sum(counts[s][1][index] for s in range(60, 120))
+            assert abs(misses / distinct - stats[name].expected_miss_rate(clf)) <= 0.03, (name, clf)
+
+
+def zipf_stats(rows: int, batch: int, pooling: float, seed: int) -> LookaheadCacheStatistics:
+    data = SyntheticCriteo(
+        table_sizes=(rows,), zipf_exponent=1.1, pooling_factor=pooling, seed=seed
+    )
+    return LookaheadCacheStatistics(data.table_streams(batch, 60)[0], rows, 16, 1, f"t{seed}")
+
+
+def test_curve_is_monotone_with_the_documented_ends() -> None:
+    stats = zipf_stats(20000, 256, 1.0, 0)
+    rates = [stats.expected_miss_rate(c) for c in np.geomspace(1e-4, 0.999, 40)]
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+    assert stats.expected_miss_rate(0) == 1.0 and stats.expected_miss_rate(1.0) == 0.0
+    assert 0 < stats.cacheability < 1 and stats.expected_lookups > 0
+
+
+@pytest.mark.parametrize(
+    "batches_, message",
+    [([], "at least 2 sample batches"), ([np.array([], np.int64)] * 3, "hold no ids"),
+     ([np.array([1, 2]), np.array([5000])], "t9, sample batch 1: id 5000 is out of range")],
+)  # fmt: skip
+def test_bad_samples_are_refused(batches_, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        LookaheadCacheStatistics(batches_, 100, 4, 1, "t9")
+
+
+def costs(**pooling: float) -> list[TableCacheCost]:
+    return [
+        TableCacheCost(name, 20000, 16, 1, zipf_stats(20000, 256, p, seed))
+        for seed, (name, p) in enumerate(pooling.items())
+    ]
+
+
+def test_proposer_respects_the_budget_and_gives_the_hotter_table_more() -> None:
+    tables = costs(hot=4.0, cold=1.0)  # same size; "hot" is looked up four times as often
+    floor = sum(t.device_bytes(0) for t in tables)
+    budget = floor + 300_000
+    proposal = LookaheadCacheProposer(bandwidth=1e3, step_compute_ms=0.0, budget_bytes=budget)
+    chosen = proposal.propose(tables)
+    assert sum(chosen.device_bytes.values()) <= budget
+    assert chosen.load_factors["hot"] > chosen.load_factors["cold"]
+    assert chosen.stall_ms > 0  # the budget is too small to hide the traffic: reported, not hidden
+
+
+def test_proposer_stops_growing_once_the_step_is_stall_free() -> None:
+    tables = costs(a=1.0, b=1.0)
+    fast = LookaheadCacheProposer(bandwidth=1e12, step_compute_ms=1.0).propose(tables)
+    assert fast.stall_ms == 0 and all(
+        clf == pytest.approx(t.stats.min_load_factor) or clf <= 0.001
+        for t, clf in zip(tables, fast.load_factors.values())
+    )  # traffic is free: the smallest workable caches suffice
+    slow = LookaheadCacheProposer(bandwidth=200.0, step_compute_ms=1.0).propose(tables)
+    assert slow.stall_ms == 0 and slow.transfer_ms <= 1.0
+    assert all(slow.load_factors[n] >= fast.load_factors[n] for n in ("a", "b"))
+
+
+def test_budget_below_the_smallest_workable_caches_is_a_clear_error() -> None:
+    tables = costs(a=1.0)
+    with pytest.raises(ValueError, match="cannot hold even the smallest workable caches"):
+        LookaheadCacheProposer(1e3, 0.0, budget_bytes=1000).propose(tables)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_plans_for_cpu_and_cuda_topologies_carry_the_proposed_cache_sizes(device) -> None:
+    sizes = (20000, 20000, 5000)
+    data = SyntheticCriteo(table_sizes=sizes, zipf_exponent=1.1, seed=1)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"c{i}"]
+        )
+        for i, n in enumerate(sizes)
+    ]
+    stats = {
+        t.name: LookaheadCacheStatistics(s, t.num_embeddings, 16, 1, t.name)
+        for t, s in zip(tables, data.table_streams(256, 40))
+    }
+    planner, proposal = lookahead_planner(
+        Topology(world_size=2, compute_device=device), 256, tables, stats,
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD, step_compute_ms=0.001, cache_budget_bytes=400_000,
+    )  # fmt: skip
+    ebc = LookaheadEmbeddingBagCollection(tables, device=torch.device("meta"))
+    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+                dense_arch_layer_sizes=[32, 16], over_arch_layer_sizes=[32, 1])  # fmt: skip
+    model = DLRMTrain(dlrm)
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
+    plan = planner.plan(model, [LookaheadEmbeddingBagCollectionSharder()])
+    shardings = next(iter(plan.plan.values()))
+    kernel = "fused" if device == "cpu" else "fused_uvm_caching"
+    for name, sharding in shardings.items():
+        assert sharding.cache_params.load_factor == proposal.load_factors[name]
+        assert sharding.compute_kernel == kernel and sharding.sharding_type != "data_parallel"
+    assert sum(proposal.device_bytes.values()) <= 400_000
+    report = plan_report(plan, proposal)
+    assert all(f"t{i}" in report for i in range(3)) and "ms/step" in report
+
+
+def test_missing_statistics_are_named() -> None:
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=10, feature_names=["f"])
+    ]
+    with pytest.raises(ValueError, match=r"no cache statistics for tables \['t0'\]"):
+        lookahead_planner(Topology(world_size=1, compute_device="cpu"), 8, tables, {},
+                          EmbOptimType.EXACT_SGD, 1.0)  # fmt: skip
