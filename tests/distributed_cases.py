@@ -57,7 +57,7 @@ def tables() -> list[EmbeddingBagConfig]:
     ]  # fmt: skip
 
 
-def build(ebc, sharders, case: Case, world_size: int):
+def build(ebc, sharders, case: Case, world_size: int, planner=None):
     dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
                 dense_arch_layer_sizes=[32, DIM], over_arch_layer_sizes=[32, 1])  # fmt: skip
     model = DLRMTrain(dlrm)
@@ -68,7 +68,7 @@ def build(ebc, sharders, case: Case, world_size: int):
         t.name: ParameterConstraints(sharding_types=[case.sharding_type], min_partition=DIM // 2)
         for t in tables()
     }
-    planner = EmbeddingShardingPlanner(
+    planner = planner or EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device="cpu"),
         batch_size=BATCH,
         constraints=constraints,
@@ -265,5 +265,67 @@ def integration_worker(rank: int, world_size: int, port: int, checkpoint_dir: st
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         check_integration(rank, world_size, checkpoint_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_planned(rank: int, world_size: int) -> None:
+    """The canonical use planned by ``lookahead_planner`` trains exactly like plain TorchRec."""
+    import math
+
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from planners import LookaheadCacheStatistics, lookahead_planner, plan_report
+
+    case = Case("table_wise", "rowwise_adagrad", 8)
+    sample = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=300)
+    sample_batches = [criteo_batch(sample, s, BATCH * world_size) for s in range(40)]
+    stats = {
+        t.name: LookaheadCacheStatistics(
+            [b.sparse_features[t.feature_names[0]].values() for b in sample_batches],
+            t.num_embeddings, case.lookahead, 1, t.name,
+        )
+        for t in tables()
+    }  # fmt: skip
+    budget = 150_000
+    planner, proposal = lookahead_planner(
+        Topology(world_size=world_size, compute_device="cpu"), BATCH, tables(), stats,
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD, step_compute_ms=0.0, cache_budget_bytes=budget,
+        constraints={t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables()},
+    )  # fmt: skip
+    assert sum(proposal.device_bytes.values()) <= budget
+    assert len(set(proposal.load_factors.values())) > 1, "tables should get different sizes"
+
+    data = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=100 + rank)
+    batches = [criteo_batch(data, s, BATCH) for s in range(case.steps)]
+    base, base_opt, _ = build(
+        EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
+        [EmbeddingBagCollectionSharder()], case, world_size,
+    )  # fmt: skip
+    ebc = LookaheadEmbeddingBagCollection(tables=tables(), device=torch.device("meta"))
+    look, look_opt, plan = build(ebc, [LookaheadEmbeddingBagCollectionSharder()], case, world_size,
+                                 planner)  # fmt: skip
+    if rank == 0:
+        print(plan_report(plan, proposal))
+    sharded = next(m for m in look.modules() if hasattr(m, "cached_groups"))
+    for group in sharded.cached_groups:
+        for name, rows, slots in zip(group.names, group.num_rows, group.cache_rows):
+            want = max(1, math.ceil(proposal.load_factors[name] * rows))
+            assert slots == min(rows, want), (name, slots, want)
+    look.load_state_dict(base.state_dict())
+    expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
+    got = train(LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8), batches)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert_equal_states(base.state_dict(), look.state_dict(), "planned weights")
+    assert_equal_states(base_opt.state_dict()["state"], look_opt.state_dict()["state"], "optim")
+
+
+def planned_worker(rank: int, world_size: int, port: int) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        check_planned(rank, world_size)
     finally:
         dist.destroy_process_group()

@@ -41,6 +41,16 @@ def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
     assert "final weights match" in done.stdout and (tmp_path / "out" / "training.png").exists()
 
 
+def test_planned_cache_sizes_are_reported_and_training_stays_exact(tmp_path: Path) -> None:
+    done, summary = run(tmp_path, *TINY, "--limit_train_batches", "20", "--baseline",
+                        "--plan_cache_sizes", "--plan_sample_batches", "10",
+                        "--cache_budget_mb", "0.5")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cache load" in done.stdout and "ms/step beyond compute" in done.stdout
+    assert "sized by the lookahead planner" in done.stdout
+    assert summary["weights_match"] is True
+
+
 def test_trains_on_raw_criteo_tsv_days(tmp_path: Path) -> None:
     data = tmp_path / "criteo"
     data.mkdir()

@@ -77,16 +77,18 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
         super().__init__(config, pg, device, sharding_type, env)
         params = dict(config.fused_params or {})
         optimizer = params.pop("optimizer")
-        plan_load_factor = params.get("cache_load_factor")
         store_states = self._emb_module.split_optimizer_states()
         store = HostStore(
             self._emb_module.split_embedding_weights(),
             states=store_states or [[] for _ in config.embedding_tables],
         )
+        # A plan's per-table cache_params.load_factor stays in each table's fused params
+        # (TorchRec groups tables without it), so size each table's cache from its own.
         cache_rows = [
-            sizing.rows(t.name, t.num_embeddings, t.local_rows, plan_load_factor)
+            sizing.rows(t.name, t.num_embeddings, t.local_rows,
+                        (t.fused_params or {}).get("cache_load_factor"))
             for t in config.embedding_tables
-        ]
+        ]  # fmt: skip
         cache = CacheTable(cache_rows, self._local_cols, self._feature_table_map, optimizer,
                            store, device, self._pooling, params)  # fmt: skip
         self.cached = CachedTables(

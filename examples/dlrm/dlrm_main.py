@@ -102,6 +102,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch_distance", type=int, default=1)
     p.add_argument("--cache_load_factor", type=float, default=0.1)
     p.add_argument("--baseline", action="store_true", help="also train plain TorchRec and compare")
+    p.add_argument(
+        "--plan_cache_sizes",
+        action="store_true",
+        help="size each table's cache with the lookahead planner from sample batches",
+    )
+    p.add_argument("--plan_sample_batches", type=int, default=50)
+    p.add_argument("--cache_budget_mb", type=float, default=None, help="device memory for caches")
+    p.add_argument("--step_compute_ms", type=float, default=10.0,
+                   help="compute time per step that prefetches hide behind (planning)")  # fmt: skip
     # Checkpoints and output.
     p.add_argument("--save_dir", type=str, default=None)
     p.add_argument("--checkpoint_every", type=int, default=None, help="steps; also at the end")
@@ -198,7 +207,35 @@ def tables(args: argparse.Namespace) -> list[EmbeddingBagConfig]:
     ]  # fmt: skip
 
 
-def build(args, lookahead: bool, world_size: int, device: torch.device):
+def cache_planner(args, days, world_size: int, device: torch.device):
+    """``lookahead_planner`` sized from the first training batches of every rank (read locally)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from planners import LookaheadCacheStatistics, lookahead_planner
+
+    per_rank = [
+        list(itertools.islice(loader(days, "train", args.batch_size, r, world_size,
+                                     args.num_embeddings), args.plan_sample_batches))
+        for r in range(world_size)
+    ]  # fmt: skip
+    stats = {
+        t.name: LookaheadCacheStatistics(
+            [torch.cat([b.sparse_features[t.feature_names[0]].values() for b in step])
+             for step in zip(*per_rank)],
+            t.num_embeddings, args.lookahead, args.prefetch_distance, t.name,
+        )
+        for t in tables(args)
+    }  # fmt: skip
+    optimizer = EmbOptimType.EXACT_ROWWISE_ADAGRAD if args.adagrad else EmbOptimType.EXACT_SGD
+    budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
+    table_wise = {t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables(args)}
+    return lookahead_planner(
+        Topology(world_size=world_size, compute_device=device.type), args.batch_size, tables(args),
+        stats, optimizer, args.step_compute_ms, budget, table_wise,
+    )  # fmt: skip
+
+
+def build(args, lookahead: bool, world_size: int, device: torch.device, planner=None):
     """The DLRM training model under DMP, with the fused embedding optimizer configured."""
     meta = torch.device("meta")
     if lookahead:
@@ -232,7 +269,7 @@ def build(args, lookahead: bool, world_size: int, device: torch.device):
         t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[kernel])
         for t in tables(args)
     }
-    planner = EmbeddingShardingPlanner(
+    planner = planner or EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device=device.type),
         batch_size=args.batch_size, constraints=same_plan,
     )  # fmt: skip
@@ -361,7 +398,15 @@ def weights_digest(dmp) -> str:
 def run(args: argparse.Namespace) -> int:
     rank, world_size, device = init_distributed()
     days = dataset(args, rank)
-    look, look_opt = build(args, lookahead=True, world_size=world_size, device=device)
+    planner = None
+    if args.plan_cache_sizes:
+        planner, proposal = cache_planner(args, days, world_size, device)
+    look, look_opt = build(args, lookahead=True, world_size=world_size, device=device,
+                           planner=planner)  # fmt: skip
+    if planner is not None and rank == 0:
+        from planners import plan_report
+
+        print(plan_report(look.plan, proposal))
     runs = []
     if args.baseline:
         base, base_opt = build(args, lookahead=False, world_size=world_size, device=device)
@@ -423,10 +468,11 @@ def report(args, runs: list[Run], same: bool | None, digest: str, world_size: in
     table = [cells(r) for r in runs]
     names = [r.name for r in runs]
     rows = sum(args.num_embeddings)
+    sizing = ("sized by the lookahead planner" if args.plan_cache_sizes
+              else f"{args.cache_load_factor:.0%} per table, small tables whole")  # fmt: skip
     print(f"\nDLRM ({args.interaction_type}), world size {world_size}, batch {args.batch_size} "
           f"per rank, {len(runs[0].step_s)} steps, lookahead {args.lookahead}; cache "
-          f"{cache_rows:,} of {rows:,} rows ({cache_rows / rows:.1%}: "
-          f"{args.cache_load_factor:.0%} per table, small tables whole)")  # fmt: skip
+          f"{cache_rows:,} of {rows:,} rows ({cache_rows / rows:.1%}: {sizing})")  # fmt: skip
     print(f"{'':>26}" + "".join(f"{n:>16}" for n in names))
     for label in table[0]:
         print(f"{label:>26}" + "".join(f"{column[label]:>16}" for column in table))
