@@ -33,6 +33,8 @@ bench: install
 	$(PY) benchmarks/step_time.py --out results/step_time_large --scale 0.1 --cache-load-factor 0.02
 	$(PY) benchmarks/step_time.py --out results/step_time_ws1 --world-size 1
 	$(PY) benchmarks/step_time.py --out results/step_time_ws2 --world-size 2
+	$(PY) benchmarks/planner.py --out results/planner
+	$(PY) benchmarks/planner.py --out results/planner100 --sample-batches 100
 
 clean:
 	rm -rf $(VENV) results .cache .pytest_cache .hypothesis *.egg-info

@@ -50,3 +50,13 @@ def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Pa
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["same_weights"] is True and len(report["ranks"]) == 1
     assert report["lookahead"]["input_dist_ms"] > 0
+
+
+def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--out", str(tmp_path),
+           "--scale", "0.001", "--batch-size", "256", "--sample-batches", "10",
+           "--full-batches", "20", "--lookahead", "4"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["statistics_s"] > 0 and len(report["accuracy"]) == 3 and "predicted" in out
+    assert all(0 <= a["predicted"] <= 1 and 0 <= a["measured"] <= 1 for a in report["accuracy"])
