@@ -6,13 +6,20 @@ import math
 from dataclasses import dataclass
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.planner.types import Topology
 
 from planners.statistics import LookaheadCacheStatistics
 
-__all__ = ["TableCacheCost", "optimizer_state_floats"]
+__all__ = ["TableCacheCost", "optimizer_state_floats", "row_move_bandwidth"]
 
 SLOT_INDEX_BYTES = 8  # the cache's slot -> row map, per slot
 ORACLE_BYTES_PER_ROW = 12  # the oracle's slot map and latest occurrence, per table row
+
+
+def row_move_bandwidth(topology: Topology) -> float:
+    """Bytes per millisecond for moving rows between store and cache: host memory
+    bandwidth on a CPU topology, the host-device link on a GPU one."""
+    return topology.ddr_mem_bw if topology.compute_device == "cpu" else topology.hbm_to_ddr_mem_bw
 
 
 def optimizer_state_floats(optimizer: EmbOptimType, dim: int) -> int:

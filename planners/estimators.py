@@ -26,30 +26,15 @@ from torchrec.distributed.planner.types import (
     Topology,
 )
 
-from planners.cost import TableCacheCost
+from planners.cost import TableCacheCost, row_move_bandwidth
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
 
 __all__ = ["LookaheadPerfEstimator", "LookaheadStorageEstimator"]
 
 
-def _lookahead_options(options: list[ShardingOption], costs: Mapping[str, TableCacheCost]):
-    for option in options:
-        if isinstance(option.module[1], LookaheadEmbeddingBagCollection) and option.name in costs:
-            yield option, costs[option.name]
+class _LookaheadShards:
+    """What both estimators share: the tables' costs and a walk over lookahead shards."""
 
-
-def _load_factor(option: ShardingOption) -> float:
-    if option.cache_params is not None and option.cache_params.load_factor is not None:
-        return option.cache_params.load_factor
-    return option.module[1].sizing.cache_load_factor
-
-
-def _share(option: ShardingOption, shard_size: list[int], cost: TableCacheCost) -> float:
-    """The part of the table a shard holds (rows x columns)."""
-    return (shard_size[0] / cost.num_rows) * (shard_size[1] / cost.dim)
-
-
-class LookaheadStorageEstimator(EmbeddingStorageEstimator):
     def __init__(
         self,
         topology: Topology,
@@ -59,43 +44,46 @@ class LookaheadStorageEstimator(EmbeddingStorageEstimator):
         super().__init__(topology, constraints)
         self._costs = costs
         self._cpu = topology.compute_device == "cpu"
+        self._bandwidth = row_move_bandwidth(topology)
 
+    def _lookahead_shards(self, options: list[ShardingOption]):
+        """``(shard, cost, load factor, share of the table)`` for every lookahead shard."""
+        for option in options:
+            module = option.module[1]
+            if (
+                not isinstance(module, LookaheadEmbeddingBagCollection)
+                or option.name not in self._costs
+            ):
+                continue
+            cost = self._costs[option.name]
+            params = option.cache_params
+            clf = (
+                params.load_factor
+                if params and params.load_factor is not None
+                else (module.sizing.cache_load_factor)
+            )
+            for shard in option.shards:
+                share = (shard.size[0] / cost.num_rows) * (shard.size[1] / cost.dim)
+                yield shard, cost, clf, share
+
+
+class LookaheadStorageEstimator(_LookaheadShards, EmbeddingStorageEstimator):
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:  # noqa: ANN001
         super().estimate(sharding_options, sharder_data_map)
-        for option, cost in _lookahead_options(sharding_options, self._costs):
-            clf = _load_factor(option)
-            for shard in option.shards:
-                share = _share(option, shard.size, cost)
-                device = int(cost.device_bytes(clf) * share)
-                host = int(cost.host_bytes() * share)
-                shard.storage = (
-                    Storage(hbm=0, ddr=device + host)
-                    if self._cpu
-                    else Storage(hbm=device, ddr=host)
-                )
+        for shard, cost, clf, share in self._lookahead_shards(sharding_options):
+            device = int(cost.device_bytes(clf) * share)
+            host = int(cost.host_bytes() * share)
+            shard.storage = (
+                Storage(hbm=0, ddr=device + host) if self._cpu else Storage(hbm=device, ddr=host)
+            )
 
 
-class LookaheadPerfEstimator(EmbeddingPerfEstimator):
-    def __init__(
-        self,
-        topology: Topology,
-        costs: Mapping[str, TableCacheCost],
-        constraints: dict[str, ParameterConstraints] | None = None,
-    ) -> None:
-        super().__init__(topology, constraints)
-        self._costs = costs
-        cpu = topology.compute_device == "cpu"
-        self._bandwidth = topology.ddr_mem_bw if cpu else topology.hbm_to_ddr_mem_bw
-
+class LookaheadPerfEstimator(_LookaheadShards, EmbeddingPerfEstimator):
     def estimate(self, sharding_options: list[ShardingOption], sharder_data_map=None) -> None:  # noqa: ANN001
         super().estimate(sharding_options, sharder_data_map)
-        for option, cost in _lookahead_options(sharding_options, self._costs):
-            clf = _load_factor(option)
-            for shard in option.shards:
-                if shard.perf is None:
-                    continue
-                moved_ms = (
-                    cost.bytes_per_step(clf) * _share(option, shard.size, cost) / self._bandwidth
-                )
-                compute_ms = shard.perf.fwd_compute + shard.perf.bwd_compute
-                shard.perf.prefetch_compute += max(0.0, moved_ms - compute_ms)
+        for shard, cost, clf, share in self._lookahead_shards(sharding_options):
+            if shard.perf is None:
+                continue
+            moved_ms = cost.bytes_per_step(clf) * share / self._bandwidth
+            compute_ms = shard.perf.fwd_compute + shard.perf.bwd_compute
+            shard.perf.prefetch_compute += max(0.0, moved_ms - compute_ms)

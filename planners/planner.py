@@ -10,7 +10,7 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.types import CacheParams, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from planners.cost import TableCacheCost, optimizer_state_floats
+from planners.cost import TableCacheCost, optimizer_state_floats, row_move_bandwidth
 from planners.estimators import LookaheadPerfEstimator, LookaheadStorageEstimator
 from planners.proposer import CacheProposal, LookaheadCacheProposer
 from planners.statistics import LookaheadCacheStatistics
@@ -55,11 +55,9 @@ def lookahead_planner(
                                statistics[t.name])
         for t in tables
     }  # fmt: skip
-    cpu = topology.compute_device == "cpu"
-    bandwidth = topology.ddr_mem_bw if cpu else topology.hbm_to_ddr_mem_bw
-    proposal = LookaheadCacheProposer(bandwidth, step_compute_ms, cache_budget_bytes).propose(
-        list(costs.values())
-    )
+    proposal = LookaheadCacheProposer(
+        row_move_bandwidth(topology), step_compute_ms, cache_budget_bytes
+    ).propose(list(costs.values()))
     merged = dict(constraints or {})
     for name, clf in proposal.load_factors.items():
         base = merged.get(name, ParameterConstraints())

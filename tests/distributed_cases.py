@@ -133,16 +133,24 @@ def check(case: Case, rank: int, world_size: int) -> None:
     assert total.rows_written_back > 0, f"{case}: the cache never evicted; the test is too easy"
 
 
-def worker(rank: int, world_size: int, port: int, cases: list[Case]) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # no oversubscription
+def _in_process_group(rank: int, world_size: int, port: int, body) -> None:  # noqa: ANN001
+    """Run ``body()`` as one gloo rank (one share of the cores each, no oversubscription)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        for case in cases:
-            check(case, rank, world_size)
+        body()
     finally:
         dist.destroy_process_group()
+
+
+def worker(rank: int, world_size: int, port: int, cases: list[Case]) -> None:
+    def body() -> None:
+        for case in cases:
+            check(case, rank, world_size)
+
+    _in_process_group(rank, world_size, port, body)
 
 
 class MixedModel(torch.nn.Module):
@@ -259,14 +267,8 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
 
 
 def integration_worker(rank: int, world_size: int, port: int, checkpoint_dir: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        check_integration(rank, world_size, checkpoint_dir)
-    finally:
-        dist.destroy_process_group()
+    _in_process_group(rank, world_size, port,
+                      lambda: check_integration(rank, world_size, checkpoint_dir))  # fmt: skip
 
 
 def check_planned(rank: int, world_size: int) -> None:
@@ -321,11 +323,4 @@ def check_planned(rank: int, world_size: int) -> None:
 
 
 def planned_worker(rank: int, world_size: int, port: int) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        check_planned(rank, world_size)
-    finally:
-        dist.destroy_process_group()
+    _in_process_group(rank, world_size, port, lambda: check_planned(rank, world_size))

@@ -245,10 +245,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return ctx, distributed, prepared
 
     def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
-        for key in features.keys():
+        for key, jagged in features.to_dict().items():  # one split of the KJT, not one per key
             if key in self._feature_rows:
                 try:
-                    as_id_array(features[key].values(), f"feature {key!r}", self._feature_rows[key])
+                    as_id_array(jagged.values(), f"feature {key!r}", self._feature_rows[key])
                 except ValueError as error:
                     return error
         return None

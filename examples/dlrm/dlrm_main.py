@@ -441,6 +441,7 @@ def run(args: argparse.Namespace) -> int:
     dist.all_reduce(cached)  # every rank caches only its own shards
     if rank == 0:
         report(args, runs, same, digest, world_size, int(cached.item()))
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
     return 0
 
