@@ -104,13 +104,19 @@ def assert_equal_states(expected: dict, got: dict, what: str) -> None:
             assert torch.equal(a, b), f"{what}: {key} differs"
 
 
-def check(case: Case, rank: int, world_size: int) -> None:
+def rank_data_and_baseline(case: Case, rank: int, world_size: int):
+    """This rank's batches, and the plain TorchRec model (with optimizer and plan) to match."""
     data = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=100 + rank)
     batches = [criteo_batch(data, s, BATCH) for s in range(case.steps)]
-    base, base_opt, base_plan = build(
+    baseline = build(
         EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
         [EmbeddingBagCollectionSharder()], case, world_size,
     )  # fmt: skip
+    return batches, baseline
+
+
+def check(case: Case, rank: int, world_size: int) -> None:
+    batches, (base, base_opt, base_plan) = rank_data_and_baseline(case, rank, world_size)
     sharders = [LookaheadEmbeddingBagCollectionSharder()]
     ebc = LookaheadEmbeddingBagCollection(
         tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor
@@ -298,12 +304,7 @@ def check_planned(rank: int, world_size: int) -> None:
     assert sum(proposal.device_bytes.values()) <= budget
     assert len(set(proposal.load_factors.values())) > 1, "tables should get different sizes"
 
-    data = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=100 + rank)
-    batches = [criteo_batch(data, s, BATCH) for s in range(case.steps)]
-    base, base_opt, _ = build(
-        EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
-        [EmbeddingBagCollectionSharder()], case, world_size,
-    )  # fmt: skip
+    batches, (base, base_opt, _) = rank_data_and_baseline(case, rank, world_size)
     ebc = LookaheadEmbeddingBagCollection(tables=tables(), device=torch.device("meta"))
     look, look_opt, plan = build(ebc, [LookaheadEmbeddingBagCollectionSharder()], case, world_size,
                                  planner)  # fmt: skip
