@@ -312,7 +312,7 @@ def check_planned(rank: int, world_size: int) -> None:
         print(plan_report(plan, proposal))
     sharded = next(m for m in look.modules() if hasattr(m, "cached_groups"))
     for group in sharded.cached_groups:
-        for name, rows, slots in zip(group.names, group.num_rows, group.cache_rows):
+        for name, rows, slots in zip(group.names, group.num_rows, group.table_slots):
             want = max(1, math.ceil(proposal.load_factors[name] * rows))
             assert slots == min(rows, want), (name, slots, want)
     look.load_state_dict(base.state_dict())

@@ -19,7 +19,8 @@ from torchrec_lookahead import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.resident import FullyResidentEmbeddingBagCollection
 
-# Tables of different sizes and dims; t0 serves two features; w0 is weighted.
+# Tables of different sizes and dims; t0 serves two features; w0 and w1 are weighted and
+# share a slot pool (equal dims).
 UNWEIGHTED = [
     EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=4000, feature_names=["f0", "f1"]),
     EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=1500, feature_names=["f2"]),
@@ -27,9 +28,10 @@ UNWEIGHTED = [
 ]
 WEIGHTED = [
     EmbeddingBagConfig(name="w0", embedding_dim=8, num_embeddings=3000, feature_names=["g0"]),
+    EmbeddingBagConfig(name="w1", embedding_dim=8, num_embeddings=2500, feature_names=["g1"]),
 ]
-KEYS = ["f0", "f1", "f2", "f3", "g0"]
-ROWS = [4000, 4000, 1500, 10000, 3000]
+KEYS = ["f0", "f1", "f2", "f3", "g0", "g1"]
+ROWS = [4000, 4000, 1500, 10000, 3000, 2500]
 DENSE = 4
 
 OPTIMIZERS = {
@@ -41,7 +43,7 @@ LR = 0.05
 
 
 def batches(num: int, batch_size: int = 32, seed: int = 0) -> list[Batch]:
-    """Skewed ids, Poisson bag sizes (empty bags, repeated ids in a bag), weighted g0."""
+    """Skewed ids, Poisson bag sizes (empty bags, repeated ids in a bag), weighted g0, g1."""
     data = SyntheticCriteo(table_sizes=ROWS, zipf_exponent=1.05, pooling_factor=2.0, seed=seed)
     out = []
     for step in range(num):
@@ -49,9 +51,9 @@ def batches(num: int, batch_size: int = 32, seed: int = 0) -> list[Batch]:
         rng = np.random.default_rng([seed, step, 1])
         values = np.concatenate(sparse.values)
         weights = np.ones(len(values), dtype=np.float32)
-        g0 = int(sparse.lengths[-1].sum())
-        if g0:
-            weights[-g0:] = rng.uniform(0.5, 1.5, g0)
+        weighted = int(sparse.lengths[-2:].sum())
+        if weighted:
+            weights[-weighted:] = rng.uniform(0.5, 1.5, weighted)
         dense = rng.standard_normal((batch_size, DENSE)).astype(np.float32)
         labels = (rng.random(batch_size) < 0.3).astype(np.int64)
         out.append(
@@ -169,4 +171,4 @@ def assert_same_training_state(model: TwoModuleModel, twin: TwoModuleModel) -> N
         assert torch.equal(dict(model.over.named_parameters())[name], param), name
 
 
-DATA_KEYS_UNKNOWN_TO_MODEL = ["f0", "f1", "f2", "zz", "g0"]
+DATA_KEYS_UNKNOWN_TO_MODEL = ["f0", "f1", "f2", "zz", "g0", "g1"]

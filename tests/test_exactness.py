@@ -54,7 +54,7 @@ def test_cache_holding_every_row_never_evicts() -> None:
 
 def _smallest_workable_cache(d: int) -> dict[str, int]:
     """Per table, the most distinct rows any d+1 consecutive steps use."""
-    keys = {"t0": ["f0", "f1"], "t1": ["f2"], "t2": ["f3"], "w0": ["g0"]}
+    keys = {"t0": ["f0", "f1"], "t1": ["f2"], "t2": ["f3"], "w0": ["g0"], "w1": ["g1"]}
     sizes = {}
     for table, features in keys.items():
         per_step = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from models import (
@@ -95,13 +97,27 @@ def test_unknown_feature_key_is_refused() -> None:
         pipeline.progress(iter([odd]))
 
 
-def test_window_too_large_for_the_cache_is_refused_with_the_capacity_needed() -> None:
+def test_a_share_smaller_than_the_window_is_raised_once_and_training_stays_exact(caplog) -> None:
+    model = lookahead_model("adagrad", cache_rows={"t1": 8, "w0": 5})
+    twin = reference_twin(model, "adagrad")
+    with caplog.at_level(logging.INFO, logger="torchrec_lookahead"):
+        outputs, _ = train_lookahead(model, DATA, 4, 1)
+    raised = [r.getMessage() for r in caplog.records if "cache raised" in r.getMessage()]
+    assert any(m.startswith("table t1: cache raised from 8 to ") for m in raised)
+    assert any(m.startswith("table w0: cache raised from 5 to ") for m in raised)
+    assert len(raised) == len(set(raised))  # once per table
+    assert all(torch.equal(a, b) for a, b in zip(outputs, train_reference(twin, DATA)))
+    assert_same_training_state(model, twin)
+
+
+def test_window_outgrowing_the_cache_sized_at_the_first_batch_is_refused() -> None:
     model = lookahead_model("sgd", cache_rows={"t1": 8})
     pipeline = LookaheadTrainPipeline(
         model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu"), lookahead=2
     )
-    with pytest.raises(ValueError, match=r"cache has 8 slots; a capacity of at least \d+"):
-        pipeline.progress(iter(DATA))
+    stream = batches(1, batch_size=2) + batches(6, batch_size=256, seed=3)
+    with pytest.raises(ValueError, match=r"step 1: .*cache has \d+ slots; a capacity of at least"):
+        pipeline.progress(iter(stream))
 
 
 def test_training_forward_outside_the_pipeline_is_refused() -> None:
@@ -130,7 +146,7 @@ def test_metrics_count_lookups_hits_and_moves() -> None:
     _, pipeline = train_lookahead(model, DATA, 8, 1)
     metrics = pipeline.cache_metrics()
     assert set(metrics) == {"unweighted.t0", "unweighted.t1", "unweighted.t2", "weighted.w0",
-                            "total"}  # fmt: skip
+                            "weighted.w1", "total"}  # fmt: skip
     total = metrics["total"]
     assert total.lookups == sum(int(b.sparse_features.values().numel()) for b in DATA)
     assert total.hits + total.misses == total.unique_ids

@@ -1,4 +1,4 @@
-"""The cache table: a FBGEMM TBE sized to the cache slots, and row moves against a store."""
+"""The cache table: a FBGEMM TBE of cache slots, one table per slot pool, and row moves."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 
 from torchrec_lookahead.oracle import CachePlan
+from torchrec_lookahead.pools import SlotPool
 from torchrec_lookahead.store import HostStore
 
 __all__ = ["CacheTable"]
@@ -26,52 +27,81 @@ def _as_index(ids: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class CacheTable:
-    """A TBE whose table ``t`` has ``slots[t]`` rows, backed by a :class:`HostStore`.
+    """A TBE whose table ``p`` holds the slots of pool ``p``, backed by a :class:`HostStore`.
 
     The TBE runs the lookups and the fused optimizer exactly as TorchRec's
     ``fused`` kernel does, only on slot numbers instead of row ids. Rows move
     in and out with their optimizer state through FBGEMM's public per-table
     views (``split_embedding_weights`` / ``split_optimizer_states``), taken as
     ``.data`` so that a move may run while a step's backward is still pending:
-    the plan guarantees the moved slots are not the ones that step uses.
+    the plan guarantees the moved slots are not the ones that step uses. A
+    pool's ids are its tables' rows, offset (see :class:`SlotPool`); the store
+    is addressed per table.
 
-    ``slot_ids[t][k]`` is the row in slot ``k`` (-1 if empty), as applied so
-    far; it is what :meth:`write_back_all` and :meth:`refresh` act on.
+    ``slot_ids[p][k]`` is the pool id in slot ``k`` of pool ``p`` (-1 if
+    empty), as applied so far; it is what :meth:`write_back_all` and
+    :meth:`refresh` act on.
     """
 
     def __init__(
         self,
+        pools: Sequence[SlotPool],
         slots: Sequence[int],
-        dims: Sequence[int],
-        feature_table_map: Sequence[int],
+        feature_tables: Sequence[int],
         optimizer: EmbOptimType,
         store: HostStore,
         device: torch.device,
         pooling: PoolingMode = PoolingMode.SUM,
         fbgemm_params: dict[str, Any] | None = None,
     ) -> None:
-        on_cuda = device.type == "cuda"
-        location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
-        compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
         self.device = device
         self.store = store
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[(n, d, location, compute) for n, d in zip(slots, dims)],
-            feature_table_map=list(feature_table_map),
-            optimizer=optimizer,
-            pooling_mode=pooling,
-            device=device,
-            **(fbgemm_params or {}),
-        )
-        self._weights = [w.data for w in self.tbe.split_embedding_weights()]
-        states = self.tbe.split_optimizer_states() if optimizer != EmbOptimType.EXACT_SGD else []
-        self._states = [[s.data for s in table] for table in states] or [[] for _ in slots]
-        self.slot_ids = [torch.full((n,), -1, dtype=torch.int64) for n in slots]
+        self.pools = list(pools)
+        pool_of_table = {t: p for p, pool in enumerate(self.pools) for t in pool.tables}
+        self._feature_pools = [pool_of_table[t] for t in feature_tables]
+        self._optimizer = optimizer
+        self._pooling = pooling
+        self._fbgemm_params = dict(fbgemm_params or {})
         self._lock = threading.Lock()
+        self.resize(slots)
+
+    @property
+    def slots(self) -> list[int]:
+        """Slots of each pool."""
+        return [len(ids) for ids in self.slot_ids]
+
+    def resize(self, slots: Sequence[int]) -> None:
+        """Build the TBE with ``slots[p]`` slots for pool ``p``; the cache must be empty."""
+        with self._lock:
+            if any(bool((ids >= 0).any()) for ids in getattr(self, "slot_ids", [])):
+                raise RuntimeError("a cache holding rows cannot be resized")
+            on_cuda = self.device.type == "cuda"
+            location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
+            compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
+            self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+                embedding_specs=[
+                    (n, pool.dim, location, compute) for n, pool in zip(slots, self.pools)
+                ],
+                feature_table_map=self._feature_pools,
+                optimizer=self._optimizer,
+                pooling_mode=self._pooling,
+                device=self.device,
+                **self._fbgemm_params,
+            )
+            self._weights = [w.data for w in self.tbe.split_embedding_weights()]
+            states = (
+                self.tbe.split_optimizer_states()
+                if self._optimizer != EmbOptimType.EXACT_SGD
+                else []
+            )
+            self._states = [[s.data for s in pool] for pool in states] or [[] for _ in slots]
+            self.slot_ids = [torch.full((n,), -1, dtype=torch.int64) for n in slots]
 
     def state_shapes(self) -> list[list[torch.Size]]:
-        """Per table, the per-row shape of each optimizer state tensor."""
-        return [[s.shape[1:] for s in table] for table in self._states]
+        """Per table, the per-row shape of each optimizer state tensor (its pool's)."""
+        shapes = [[s.shape[1:] for s in pool] for pool in self._states]
+        by_table = {t: shapes[p] for p, pool in enumerate(self.pools) for t in pool.tables}
+        return [by_table[t] for t in range(len(by_table))]
 
     def forward(
         self,
@@ -81,21 +111,21 @@ class CacheTable:
     ) -> torch.Tensor:
         return self.tbe(slots, offsets, per_sample_weights=per_sample_weights)
 
-    def apply(self, table: int, plan: CachePlan) -> None:
+    def apply(self, pool: int, plan: CachePlan) -> None:
         """Write back ``plan``'s evicted rows, then fetch its rows."""
         with self._lock:
             if len(plan.evict_ids):
-                self._write_back(table, plan.evict_ids, plan.evict_slots)
+                self._write_back(pool, plan.evict_ids, plan.evict_slots)
             if len(plan.fetch_ids):
-                self._fetch(table, plan.fetch_ids, plan.fetch_slots)
+                self._fetch(pool, plan.fetch_ids, plan.fetch_slots)
 
     def write_back_all(self) -> None:
         """Write every occupied slot back to the store; the rows stay cached."""
         with self._lock:
-            for t, ids in enumerate(self.slot_ids):
+            for p, ids in enumerate(self.slot_ids):
                 slots = torch.nonzero(ids >= 0).flatten()
                 if len(slots):
-                    self._copy_out(t, ids[slots], slots)
+                    self._copy_out(p, ids[slots].numpy(), slots)
 
     def clear(self) -> None:
         """Forget every cached row (write them back first if they were updated)."""
@@ -107,42 +137,61 @@ class CacheTable:
         """Reload occupied slots from the store (after the store was overwritten):
         their weights, and their optimizer state too when ``states``."""
         with self._lock:
-            for t, ids in enumerate(self.slot_ids):
+            for p, ids in enumerate(self.slot_ids):
                 slots = torch.nonzero(ids >= 0).flatten()
-                if not len(slots):
-                    continue
-                on_device = slots.to(self.device)
-                sources = [(self._weights[t], self.store.weights[t])]
-                if states:
-                    sources += list(zip(self._states[t], self.store.states[t]))
-                for cached, stored in sources:
-                    cached.index_copy_(
-                        0, on_device, stored.index_select(0, ids[slots]).to(self.device)
-                    )
+                if len(slots):
+                    weights, rows = self._gather(p, ids[slots].numpy())
+                    on_device = slots.to(self.device)
+                    targets = [(self._weights[p], weights)]
+                    if states:
+                        targets += list(zip(self._states[p], rows))
+                    for cached, stored in targets:
+                        cached.index_copy_(0, on_device, stored.to(self.device))
 
-    # The three moves below hold the lock (taken by the public methods above).
+    # The moves below hold the lock (taken by the public methods above).
 
-    def _write_back(self, table: int, ids: np.ndarray, slots: np.ndarray) -> None:
+    def _write_back(self, pool: int, ids: np.ndarray, slots: np.ndarray) -> None:
         slot_index = _as_index(slots, torch.device("cpu"))
-        self._copy_out(table, _as_index(ids, torch.device("cpu")), slot_index)
-        self.slot_ids[table][slot_index] = -1
+        self._copy_out(pool, ids, slot_index)
+        self.slot_ids[pool][slot_index] = -1
 
-    def _copy_out(self, table: int, ids: torch.Tensor, slots: torch.Tensor) -> None:
+    def _copy_out(self, pool: int, ids: np.ndarray, slots: torch.Tensor) -> None:
         on_device = slots.to(self.device)
-        rows = [t.index_select(0, on_device) for t in (self._weights[table], *self._states[table])]
+        rows = [t.index_select(0, on_device) for t in (self._weights[pool], *self._states[pool])]
         if self.device.type == "cuda":  # through pinned staging buffers, then wait for them
             staged = [self.store.staging(r) for r in rows]
             for host, dev in zip(staged, rows):
                 host.copy_(dev, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
             rows = staged
-        self.store.scatter(table, ids, rows[0], rows[1:])
+        for table, local, positions in self.pools[pool].by_table(ids):
+            if len(positions) == len(ids):
+                part = rows
+            else:
+                where = _as_index(positions, torch.device("cpu"))
+                part = [r.index_select(0, where) for r in rows]
+            self.store.scatter(table, _as_index(local, torch.device("cpu")), part[0], part[1:])
 
-    def _fetch(self, table: int, ids: np.ndarray, slots: np.ndarray) -> None:
-        row_index = _as_index(ids, torch.device("cpu"))
-        weights, states = self.store.gather(table, row_index)
+    def _gather(self, pool: int, ids: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Rows ``ids`` of a pool from the store, in order: weights and optimizer state."""
+        parts = list(self.pools[pool].by_table(ids))
+        if len(parts) == 1:
+            table, local, _ = parts[0]
+            return self.store.gather(table, _as_index(local, torch.device("cpu")))
+        weights = self.store.staging_rows(len(ids), self._weights[pool])
+        states = [self.store.staging_rows(len(ids), s) for s in self._states[pool]]
+        for table, local, positions in parts:
+            where = _as_index(positions, torch.device("cpu"))
+            got, got_states = self.store.gather(table, _as_index(local, torch.device("cpu")))
+            weights.index_copy_(0, where, got)
+            for dst, src in zip(states, got_states):
+                dst.index_copy_(0, where, src)
+        return weights, states
+
+    def _fetch(self, pool: int, ids: np.ndarray, slots: np.ndarray) -> None:
+        weights, states = self._gather(pool, ids)
         slot_index = _as_index(slots, self.device)
-        self._weights[table].index_copy_(0, slot_index, weights.to(self.device, non_blocking=True))
-        for dst, src in zip(self._states[table], states):
+        self._weights[pool].index_copy_(0, slot_index, weights.to(self.device, non_blocking=True))
+        for dst, src in zip(self._states[pool], states):
             dst.index_copy_(0, slot_index, src.to(self.device, non_blocking=True))
-        self.slot_ids[table][slot_index.cpu()] = row_index
+        self.slot_ids[pool][slot_index.cpu()] = _as_index(ids, torch.device("cpu"))

@@ -1,41 +1,54 @@
-"""A group of tables cached behind one TBE: their oracles, the cache, and each step's slots.
+"""A group of tables cached behind one TBE: slot pools, their oracles, and each step's slots.
 
 The unsharded ``LookaheadEmbeddingBagCollection`` owns one group; under
 ``DistributedModelParallel`` each lookahead kernel (one per grouped shard
-config on a rank) owns one. The pipeline drives every group the same way:
-``prepare`` a batch's features, ``enter`` them, hand the returned moves to the
-executor, ``begin_step`` before the step's forward, which calls ``lookup``.
+config on a rank) owns one. The lookahead stage drives every group the same
+way: ``prepare`` a batch's features, ``enter`` them, hand the returned moves
+to the executor, ``begin_step`` before the step's forward, which calls
+``lookup``. Tables of equal row width share a slot pool and one oracle
+(:mod:`~torchrec_lookahead.pools`), so planning costs one oracle call per
+pool and step whatever the number of tables.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.cache import CacheTable
+from torchrec_lookahead.ids import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import CachePlan, OracleCacher, PreparedBatch
+from torchrec_lookahead.pools import slot_pools
+from torchrec_lookahead.store import HostStore
 
-__all__ = ["CacheSizing", "CachedTables", "StepMoves"]
+__all__ = ["CacheSizing", "CachedTables", "PreparedStep", "StepMoves"]
+
+logger = logging.getLogger(__name__)
 
 StepMoves = list[partial]  # the row moves of one step, run by the executor
 
 
 @dataclass(frozen=True)
 class CacheSizing:
-    """How many cache slots a table (or a shard of it) gets.
+    """How many cache slots a table (or a shard of it) brings to its pool.
 
     ``cache_rows[name]`` (slots for the whole table) wins over
     ``cache_load_factor`` (a share of the rows); a sharding plan's per-table
     load factor wins over both. A shard gets its share of the table's slots,
-    and never fewer than ``min_rows`` (nor more than it has rows): a floor
-    that lets small tables be cached whole.
+    and never fewer than ``min_rows`` (nor more than it has rows). When the
+    first batch shows that a table's share is smaller than what the window
+    touches, the table brings that instead (see :meth:`CachedTables.prepare`).
     """
 
     cache_load_factor: float = 0.1
@@ -54,72 +67,142 @@ class CacheSizing:
         return min(local_rows, max(self.min_rows, wanted, 1))
 
 
+@dataclass(frozen=True)
+class PreparedStep:
+    """A batch checked by :meth:`CachedTables.prepare`, ready to ``enter``."""
+
+    step: int
+    lookups: np.ndarray  # ids per table
+    batches: list[PreparedBatch]  # per pool
+    positions: list[np.ndarray] | None  # per pool, where its ids sit in the batch (None: 1 pool)
+
+
 class CachedTables:
     """Tables whose rows are cached together in one :class:`CacheTable`.
 
     Args:
-        names: table names (for metrics), in the cache's table order.
+        names: table names (for metrics), in the group's table order.
         num_rows: rows of each table (of the shard, under sharding).
+        dims: row width of each table; tables of equal width share a pool
+            (where the optimizer allows, see :mod:`~torchrec_lookahead.pools`).
         feature_tables: the table of each feature, in lookup order; a table's
             features are consecutive.
-        cache: the cache table (its TBE has one table per name).
+        table_slots: the slots each table brings to its pool.
+        store: the full tables (and optimizer state) behind the cache.
+        optimizer, device, pooling, fbgemm_params: the cache TBE's settings.
     """
 
     def __init__(
         self,
         names: Sequence[str],
         num_rows: Sequence[int],
+        dims: Sequence[int],
         feature_tables: Sequence[int],
-        cache: CacheTable,
+        table_slots: Sequence[int],
+        store: HostStore,
+        optimizer: EmbOptimType,
+        device: torch.device,
+        pooling: PoolingMode = PoolingMode.SUM,
+        fbgemm_params: dict[str, Any] | None = None,
     ) -> None:
         self.names = list(names)
         self.num_rows = list(num_rows)
-        self.cache = cache
-        self._table_of_feature = np.asarray(feature_tables, dtype=np.int64)
-        self._oracles: list[OracleCacher] = []
+        self.pools = slot_pools(self.num_rows, dims, optimizer)
+        self.table_slots = list(table_slots)
+        self._shares = list(table_slots)  # before any raise to what the window needs
+        self.cache = CacheTable(self.pools, self._pool_slots(), feature_tables, optimizer,
+                                store, device, pooling, fbgemm_params)  # fmt: skip
+        tables = np.asarray(feature_tables, dtype=np.int64)
+        pool_of_table = np.empty(len(names), dtype=np.int64)
+        offset_of_table = np.empty(len(names), dtype=np.int64)
+        for p, pool in enumerate(self.pools):
+            pool_of_table[list(pool.tables)] = p
+            offset_of_table[list(pool.tables)] = pool.offsets[:-1]
+        self._feature_table = tables
+        self._feature_rows = np.asarray(self.num_rows, dtype=np.int64)[tables]
+        self._feature_pool = pool_of_table[tables]
+        self._feature_offset = offset_of_table[tables]
+        self._window = (1, 1)  # (lookahead, prefetch distance), set by attach
+        self._oracles: list[OracleCacher] | None = None  # built at the window's first batch
+        self._entered = 0
+        self._positions: dict[int, list[np.ndarray] | None] = {}  # step -> PreparedStep.positions
         self._slots: dict[int, torch.Tensor] = {}  # step -> slots of that step's ids
         self._running: torch.Tensor | None = None  # slots of the step being run
         self._dirty = False  # cache rows updated since the last write-back
-        self.metrics = [CacheMetrics() for _ in names]
+        self._logged: set[str] = set()
+        self._counts = {k: np.zeros(len(names), dtype=np.int64) for k in _COUNTERS}
+        self._steps = 0
         # step -> (distinct ids, misses) per table: one small entry per step trained
         self.step_counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def cache_rows(self) -> list[int]:
-        return [len(ids) for ids in self.cache.slot_ids]
+        """Slots of each pool."""
+        return self.cache.slots
+
+    @property
+    def metrics(self) -> list[CacheMetrics]:
+        """Counters per table (a table's misses are its rows fetched into its pool)."""
+        return [
+            CacheMetrics(steps=self._steps, **{k: int(v[t]) for k, v in self._counts.items()})
+            for t in range(len(self.names))
+        ]
 
     def attach(self, lookahead: int, prefetch_distance: int) -> None:
-        """Start a new window: fresh oracles, and an empty cache (written back first)."""
+        """Start a new window: the cache written back and emptied; oracles at the first batch."""
         self.write_back()
         self.cache.clear()
-        self._oracles = [
-            OracleCacher(capacity, lookahead, prefetch_distance, num_rows=rows)
-            for capacity, rows in zip(self.cache_rows, self.num_rows)
-        ]
+        self._window = (lookahead, prefetch_distance)
+        self._oracles = None
+        self._entered = 0
+        self._positions.clear()
         self._slots.clear()
         self._running = None
         self.step_counts.clear()
 
-    def prepare(self, features: KeyedJaggedTensor) -> list[PreparedBatch]:
-        """Check a batch for every table (ids, capacity) without changing anything."""
-        if not self._oracles:
-            raise RuntimeError("attach() the cached tables to a window before planning")
-        ids = self._table_ids(features)
-        return [oracle.prepare(table_ids) for oracle, table_ids in zip(self._oracles, ids)]
+    def prepare(self, features: KeyedJaggedTensor) -> PreparedStep:
+        """Check a batch for every table (ids, capacity) without changing the plans.
 
-    def enter(self, prepared: list[PreparedBatch]) -> tuple[int, StepMoves] | None:
+        At a window's first batch the pools are sized: a table whose share is
+        smaller than the distinct rows ``d + 1`` such batches can touch brings
+        that many instead (at most all its rows), logged once per table.
+        """
+        step = self._entered
+        values = features.values().cpu().numpy()
+        lengths = features.length_per_key()
+        check_feature_ids(values, lengths, features.keys(), self._feature_rows, f"step {step}")
+        ids = values + np.repeat(self._feature_offset, lengths)
+        positions = None
+        per_pool = [ids]
+        if len(self.pools) > 1:
+            pool_of_value = np.repeat(self._feature_pool, lengths)
+            positions = [np.flatnonzero(pool_of_value == p) for p in range(len(self.pools))]
+            per_pool = [ids[where] for where in positions]
+        if self._oracles is None:
+            self._size_for(per_pool)
+        batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(self._oracles, per_pool)]
+        lookups = np.bincount(self._feature_table, weights=lengths, minlength=len(self.names))
+        return PreparedStep(step, lookups.astype(np.int64), batches, positions)
+
+    def enter(self, prepared: PreparedStep) -> tuple[int, StepMoves] | None:
         """A prepared batch enters the window; returns the moves of a step now planned."""
-        for metrics, batch in zip(self.metrics, prepared):
-            metrics.lookups += len(batch.ids)
-            metrics.unique_ids += len(batch.unique)
-        if prepared:
-            distinct = np.array([len(b.unique) for b in prepared])
-            self.step_counts[prepared[0].step] = (distinct, np.zeros_like(distinct))
-        return self._planned([oracle.push(batch) for oracle, batch in zip(self._oracles, prepared)])
+        if prepared.step != self._entered:
+            raise ValueError(f"a batch prepared for step {prepared.step} cannot enter at "
+                             f"step {self._entered}")  # fmt: skip
+        distinct = np.zeros(len(self.names), dtype=np.int64)
+        for pool, batch in zip(self.pools, prepared.batches):
+            distinct[list(pool.tables)] = pool.table_counts(batch.unique)
+        self._counts["lookups"] += prepared.lookups
+        self._counts["unique_ids"] += distinct
+        self.step_counts[prepared.step] = (distinct, np.zeros_like(distinct))
+        self._positions[prepared.step] = prepared.positions
+        self._entered += 1
+        plans = [oracle.push(batch) for oracle, batch in zip(self._oracles, prepared.batches)]
+        return self._planned(plans)
 
     def finish(self) -> list[tuple[int, StepMoves]]:
         """End of the data: the steps still to plan, with shorter windows."""
-        remaining = [oracle.finish() for oracle in self._oracles]
+        remaining = [oracle.finish() for oracle in self._oracles or []]
         return [planned for step in zip(*remaining) if (planned := self._planned(list(step)))]
 
     def begin_step(self, step: int) -> None:
@@ -150,30 +233,65 @@ class CachedTables:
             self.cache.write_back_all()
             self._dirty = False
 
-    def _table_ids(self, features: KeyedJaggedTensor) -> list[np.ndarray]:
-        # A table's features are consecutive, so its ids are one slice of the values.
-        values = features.values().cpu().numpy()
-        per_table = np.zeros(len(self.names) + 1, dtype=np.int64)
-        np.add.at(per_table, self._table_of_feature + 1, features.length_per_key())
-        edges = np.cumsum(per_table)
-        return [values[edges[t] : edges[t + 1]] for t in range(len(self.names))]
+    # ------------------------------------------------------------ internals
+
+    def _pool_slots(self) -> list[int]:
+        return [sum(self.table_slots[t] for t in pool.tables) for pool in self.pools]
+
+    def _size_for(self, per_pool: list[np.ndarray]) -> None:
+        """Raise shares below what ``d + 1`` batches like this one touch; build the oracles."""
+        lookahead, d = self._window
+        self.table_slots = list(self._shares)
+        for pool, ids in zip(self.pools, per_pool):
+            distinct = pool.table_counts(np.unique(ids))
+            for t, count in zip(pool.tables, distinct):
+                needed = min(self.num_rows[t], (d + 1) * int(count))
+                if needed > self.table_slots[t]:
+                    if self.names[t] not in self._logged:
+                        self._logged.add(self.names[t])
+                        logger.info(
+                            "table %s: cache raised from %d to %d rows, the distinct rows %d "
+                            "batches like the first touch", self.names[t], self.table_slots[t],
+                            needed, d + 1,
+                        )  # fmt: skip
+                    self.table_slots[t] = needed
+        store = self.cache.store
+        self._row_bytes = np.array([store.bytes_per_row(t) for t in range(len(self.names))])
+        if self._pool_slots() != self.cache.slots:
+            self.cache.resize(self._pool_slots())
+        self._oracles = [
+            OracleCacher(slots, lookahead, d, num_rows=pool.num_rows)
+            for slots, pool in zip(self.cache.slots, self.pools)
+        ]
 
     def _planned(self, plans: list[CachePlan | None]) -> tuple[int, StepMoves] | None:
         if not plans or plans[0] is None:
             return None
         step = plans[0].step
-        self._slots[step] = torch.from_numpy(np.concatenate([p.slots for p in plans])).to(
-            self.cache.device
-        )
-        self.step_counts[step][1][:] = [plan.num_misses for plan in plans]
+        positions = self._positions.pop(step)
+        if positions is None:
+            slots = plans[0].slots
+        else:
+            slots = np.empty(sum(len(p) for p in positions), dtype=np.int64)
+            for where, plan in zip(positions, plans):
+                slots[where] = plan.slots
+        self._slots[step] = torch.from_numpy(slots).to(self.cache.device)
+        misses = self.step_counts[step][1]
         moves = []
-        for t, (plan, metrics) in enumerate(zip(plans, self.metrics)):
-            metrics.steps += 1
-            metrics.misses += plan.num_misses
-            metrics.rows_fetched += len(plan.fetch_ids)
-            metrics.rows_written_back += len(plan.evict_ids)
-            moved = len(plan.fetch_ids) + len(plan.evict_ids)
-            metrics.bytes_moved += moved * self.cache.store.bytes_per_row(t)
-            if moved:
-                moves.append(partial(self.cache.apply, t, plan))
+        for p, (pool, plan) in enumerate(zip(self.pools, plans)):
+            tables = list(pool.tables)
+            fetched = pool.table_counts(plan.fetch_ids)
+            evicted = pool.table_counts(plan.evict_ids)
+            misses[tables] = fetched
+            row_bytes = self._row_bytes[tables]
+            self._counts["misses"][tables] += fetched
+            self._counts["rows_fetched"][tables] += fetched
+            self._counts["rows_written_back"][tables] += evicted
+            self._counts["bytes_moved"][tables] += (fetched + evicted) * row_bytes
+            if len(plan.fetch_ids) or len(plan.evict_ids):
+                moves.append(partial(self.cache.apply, p, plan))
+        self._steps += 1
         return step, moves
+
+
+_COUNTERS = ("lookups", "unique_ids", "misses", "rows_fetched", "rows_written_back", "bytes_moved")

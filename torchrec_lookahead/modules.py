@@ -12,10 +12,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_lookahead.cache import CacheTable
-from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves
+from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, PreparedStep, StepMoves
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.oracle import PreparedBatch
 from torchrec_lookahead.store import HostStore
 
 __all__ = ["LookaheadEmbeddingBagCollection"]
@@ -28,9 +26,10 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
 
     Built like an ``EmbeddingBagCollection`` plus cache settings. The full
     tables stay in host memory as the module's parameters (the backing
-    store); a FBGEMM TBE of ``cache_rows`` slots per table on ``device`` does
-    the lookups and the fused optimizer update, and rows move between the two
-    (with their optimizer state) as the oracle plans. Training goes through
+    store); a FBGEMM TBE of cache slots on ``device`` does the lookups and the
+    fused optimizer update, and rows move between the two (with their
+    optimizer state) as the oracle plans. Tables of equal dimension share
+    their slots: each brings its share to one pool, planned by one oracle. Training goes through
     :class:`~torchrec_lookahead.pipeline.LookaheadTrainPipeline`, which owns
     the lookahead window; in eval mode (or without grad) the module looks up
     the current weights directly.
@@ -45,8 +44,10 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         is_weighted: as for ``EmbeddingBagCollection``.
         device: where the cache and the lookups live; the full tables are on
             the host (or on ``meta`` when ``device`` is meta, for sharding).
-        cache_load_factor: cache slots per table as a share of its rows.
-        cache_rows: slots per table name, overriding ``cache_load_factor``.
+        cache_load_factor: the slots a table brings to its pool, as a share of its rows.
+        cache_rows: slots per table name, overriding ``cache_load_factor``. A
+            share smaller than what the window touches is raised to that at
+            the first batch (see ``CachedTables.prepare``).
         fused_params: FBGEMM TBE settings (``optimizer``, ``learning_rate``,
             ...), used where ``apply_optimizer_in_backward`` was not.
         min_cache_rows: no table (or shard) gets fewer slots, unless it has
@@ -92,7 +93,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     # ------------------------------------------------------------ settings
 
     def cache_rows(self) -> list[int]:
-        """Cache slots of each table."""
+        """The slots each table brings to its pool (before any raise at the first batch)."""
         return [
             self.sizing.rows(t.name, t.num_embeddings, t.num_embeddings)
             for t in self._embedding_bag_configs
@@ -164,11 +165,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             raise ValueError(f"features {missing} are missing from the batch (it has {keys})")
         return features.permute([index[f] for f in self._flat_features])
 
-    def prepare(self, features: KeyedJaggedTensor) -> list[PreparedBatch]:
+    def prepare(self, features: KeyedJaggedTensor) -> PreparedStep:
         """Check a batch for every table without changing anything (see ``CachedTables``)."""
         return self._cached.prepare(self.select(features))
 
-    def enter(self, prepared: list[PreparedBatch]) -> tuple[int, StepMoves] | None:
+    def enter(self, prepared: PreparedStep) -> tuple[int, StepMoves] | None:
         """A prepared batch enters the window; returns the moves of a step now planned."""
         return self._cached.enter(prepared)
 
@@ -230,20 +231,21 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             for bag in self.embedding_bags.values():
                 bag.weight.data = bag.weight.data.pin_memory()
         store = HostStore([bag.weight for bag in self.embedding_bags.values()], pin=on_cuda)
-        cache = CacheTable(
-            self.cache_rows(),
-            [t.embedding_dim for t in self._embedding_bag_configs],
+        configs = self._embedding_bag_configs
+        cached = CachedTables(
+            [t.name for t in configs],
+            [t.num_embeddings for t in configs],
+            [t.embedding_dim for t in configs],
             self._feature_tables,
-            optimizer,
+            self.cache_rows(),
             store,
+            optimizer,
             self._device,
             self._pooling,
             params,
         )
-        store.allocate_states(cache.state_shapes())
-        names = [t.name for t in self._embedding_bag_configs]
-        rows = [t.num_embeddings for t in self._embedding_bag_configs]
-        return CachedTables(names, rows, self._feature_tables, cache)
+        store.allocate_states(cached.cache.state_shapes())
+        return cached
 
     def _reload_cache(self) -> None:
         if self._cached is not None:

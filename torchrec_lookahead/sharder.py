@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.batched_embedding_kernel import (
@@ -39,11 +40,10 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.cache import CacheTable
 from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves
+from torchrec_lookahead.ids import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.oracle import as_id_array
 from torchrec_lookahead.store import HostStore
 
 __all__ = [
@@ -84,19 +84,15 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
         )
         # A plan's per-table cache_params.load_factor stays in each table's fused params
         # (TorchRec groups tables without it), so size each table's cache from its own.
-        cache_rows = [
+        table_slots = [
             sizing.rows(t.name, t.num_embeddings, t.local_rows,
                         (t.fused_params or {}).get("cache_load_factor"))
             for t in config.embedding_tables
         ]  # fmt: skip
-        cache = CacheTable(cache_rows, self._local_cols, self._feature_table_map, optimizer,
-                           store, device, self._pooling, params)  # fmt: skip
         self.cached = CachedTables(
-            [t.name for t in config.embedding_tables],
-            self._local_rows,
-            self._feature_table_map,
-            cache,
-        )
+            [t.name for t in config.embedding_tables], self._local_rows, self._local_cols,
+            self._feature_table_map, table_slots, store, optimizer, device, self._pooling, params,
+        )  # fmt: skip
         self._optim = CacheAwareFusedOptimizer(config, self._emb_module, pg, self.cached)
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -186,6 +182,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.input_dist_s = 0.0  # time spent distributing batches entering the window
         self._window_inputs: deque[tuple[Any, Any]] = deque()  # (ctx, distributed input)
         self._running_input: tuple[Any, Any] | None = None
+        self._entered = 0  # batches that entered the window since attach
         self._feature_rows = {
             f: t.num_embeddings for t in self._embedding_bag_configs for f in t.feature_names
         }
@@ -221,6 +218,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         for group in self.cached_groups:
             group.attach(lookahead, prefetch_distance)
         self._window_inputs.clear()
+        self._entered = 0
 
     def prepare(self, features: KeyedJaggedTensor) -> tuple[Any, Any, list]:
         """Check ids, distribute the batch (a collective), and check every shard's cache.
@@ -245,12 +243,15 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return ctx, distributed, prepared
 
     def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
-        for key, jagged in features.to_dict().items():  # one split of the KJT, not one per key
-            if key in self._feature_rows:
-                try:
-                    as_id_array(jagged.values(), f"feature {key!r}", self._feature_rows[key])
-                except ValueError as error:
-                    return error
+        unchecked = np.iinfo(np.int64).max  # features of other modules
+        try:
+            check_feature_ids(
+                features.values().cpu().numpy(), features.length_per_key(), features.keys(),
+                [self._feature_rows.get(k, unchecked) for k in features.keys()],
+                f"step {self._entered}",
+            )  # fmt: skip
+        except ValueError as error:
+            return error
         return None
 
     def _agree(self, error: ValueError | None) -> None:
@@ -264,6 +265,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def enter(self, prepared: tuple[Any, Any, list]) -> tuple[int, StepMoves] | None:
         ctx, distributed, per_group = prepared
         self._window_inputs.append((ctx, distributed))
+        self._entered += 1
         planned = [g.enter(p) for g, p in zip(self.cached_groups, per_group)]
         return _merge(planned)
 

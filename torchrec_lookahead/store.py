@@ -55,9 +55,12 @@ class HostStore:
         """An empty host buffer shaped like ``like``, pinned when the store is."""
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=self._pin)
 
+    def staging_rows(self, count: int, like: torch.Tensor) -> torch.Tensor:
+        """An empty host buffer of ``count`` rows shaped like those of ``like``."""
+        return torch.empty((count, *like.shape[1:]), dtype=like.dtype, pin_memory=self._pin)
+
     def _rows(self, source: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((len(ids), *source.shape[1:]), dtype=source.dtype, pin_memory=self._pin)
-        return torch.index_select(source, 0, ids, out=out)
+        return torch.index_select(source, 0, ids, out=self.staging_rows(len(ids), source))
 
     def scatter(
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, states: Sequence[torch.Tensor]
