@@ -164,8 +164,8 @@ class CachedTables:
         """Check a batch for every table (ids, capacity) without changing the plans.
 
         At a window's first batch the pools are sized: a table whose share is
-        smaller than the distinct rows ``d + 1`` such batches can touch brings
-        that many instead (at most all its rows), logged once per table.
+        smaller than the rows ``d + 1`` such batches can touch brings that many
+        instead (at most all its rows), logged once per table.
         """
         step = self._entered
         values = features.values().cpu().numpy()
@@ -178,11 +178,12 @@ class CachedTables:
             pool_of_value = np.repeat(self._feature_pool, lengths)
             positions = [np.flatnonzero(pool_of_value == p) for p in range(len(self.pools))]
             per_pool = [ids[where] for where in positions]
-        if self._oracles is None:
-            self._size_for(per_pool)
-        batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(self._oracles, per_pool)]
         lookups = np.bincount(self._feature_table, weights=lengths, minlength=len(self.names))
-        return PreparedStep(step, lookups.astype(np.int64), batches, positions)
+        lookups = lookups.astype(np.int64)
+        if self._oracles is None:
+            self._size_for(lookups)
+        batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(self._oracles, per_pool)]
+        return PreparedStep(step, lookups, batches, positions)
 
     def enter(self, prepared: PreparedStep) -> tuple[int, StepMoves] | None:
         """A prepared batch enters the window; returns the moves of a step now planned."""
@@ -238,23 +239,24 @@ class CachedTables:
     def _pool_slots(self) -> list[int]:
         return [sum(self.table_slots[t] for t in pool.tables) for pool in self.pools]
 
-    def _size_for(self, per_pool: list[np.ndarray]) -> None:
-        """Raise shares below what ``d + 1`` batches like this one touch; build the oracles."""
+    def _size_for(self, lookups: np.ndarray) -> None:
+        """Raise shares below what ``d + 1`` batches like this one can touch; build oracles.
+
+        ``lookups`` are this batch's ids per table: ``d + 1`` batches of as many
+        ids touch at most ``d + 1`` times that many rows (a bound for batches of
+        a fixed shape; batches with more ids may still need more).
+        """
         lookahead, d = self._window
         self.table_slots = list(self._shares)
-        for pool, ids in zip(self.pools, per_pool):
-            distinct = pool.table_counts(np.unique(ids))
-            for t, count in zip(pool.tables, distinct):
-                needed = min(self.num_rows[t], (d + 1) * int(count))
-                if needed > self.table_slots[t]:
-                    if self.names[t] not in self._logged:
-                        self._logged.add(self.names[t])
-                        logger.info(
-                            "table %s: cache raised from %d to %d rows, the distinct rows %d "
-                            "batches like the first touch", self.names[t], self.table_slots[t],
-                            needed, d + 1,
-                        )  # fmt: skip
-                    self.table_slots[t] = needed
+        for t, count in enumerate(lookups):
+            needed = min(self.num_rows[t], (d + 1) * int(count))
+            if needed > self.table_slots[t]:
+                if self.names[t] not in self._logged:
+                    self._logged.add(self.names[t])
+                    logger.info("table %s: cache raised from %d to %d rows, what %d batches "
+                                "like the first can touch", self.names[t], self.table_slots[t],
+                                needed, d + 1)  # fmt: skip
+                self.table_slots[t] = needed
         store = self.cache.store
         self._row_bytes = np.array([store.bytes_per_row(t) for t in range(len(self.names))])
         if self._pool_slots() != self.cache.slots:

@@ -14,7 +14,9 @@ class CacheMetrics:
     ``unique_ids`` counts distinct ids per step (summed over steps); a distinct
     id is a hit when its row was resident at its step's issue point, else a
     miss, fetched ahead of the step. ``wait_s`` is time the trainer spent
-    waiting for plans to land; ``plan_s`` time the oracle spent planning.
+    waiting for plans to land; ``stage_s`` time it spent waiting for the
+    lookahead stage (planning on the critical path); ``plan_s`` time the
+    stage's thread spent planning, beside the steps.
     """
 
     steps: int = 0
@@ -25,6 +27,7 @@ class CacheMetrics:
     rows_written_back: int = 0
     bytes_moved: int = 0
     wait_s: float = 0.0
+    stage_s: float = 0.0
     plan_s: float = 0.0
 
     @property

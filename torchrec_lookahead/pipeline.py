@@ -15,6 +15,7 @@ from torchrec_lookahead.executor import PlanExecutor
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.sharder import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.stage import LookaheadStage
 
 __all__ = ["LookaheadTrainPipeline"]
 
@@ -22,22 +23,28 @@ __all__ = ["LookaheadTrainPipeline"]
 class LookaheadTrainPipeline(TrainPipeline):
     """Trains a model holding ``LookaheadEmbeddingBagCollection``s, one batch per ``progress``.
 
-    It reads ``lookahead + prefetch_distance`` batches ahead of the step it
-    runs. Each batch entering the window is planned by every table's oracle;
-    the row moves of step ``s`` are handed to a background executor at the
-    start of step ``s - prefetch_distance`` and step ``s`` waits only until
-    they have landed. The model is called as TorchRec's pipelines call it:
-    ``losses, output = model(batch)``, then backward and ``optimizer.step()``
-    (the embedding update is fused into the backward). Batches carry their
-    sparse features as ``batch.sparse_features`` (a ``KeyedJaggedTensor``), as
+    A background :class:`~torchrec_lookahead.stage.LookaheadStage` reads
+    batches ahead, distributes them (under ``DistributedModelParallel``) and
+    plans them with every table's oracle; the trainer keeps a window of the
+    next ``lookahead + prefetch_distance`` planned batches. The row moves of
+    step ``s`` are handed to a background executor at the start of step
+    ``s - prefetch_distance`` and step ``s`` waits only until they have landed.
+    The model is called as TorchRec's pipelines call it: ``losses, output =
+    model(batch)``, then backward and ``optimizer.step()`` (the embedding update
+    is fused into the backward). Batches carry their sparse features as
+    ``batch.sparse_features`` (a ``KeyedJaggedTensor``), as
     ``torchrec.datasets.utils.Batch`` does. Under ``DistributedModelParallel`` the
     lookahead-cached collections must take ``batch.sparse_features`` as their input
-    (as TorchRec's models do): the pipeline distributes it when the batch enters the
+    (as TorchRec's models do): the stage distributes it when the batch enters the
     window, and the step's forward uses that distributed input.
 
-    A batch that cannot be planned (unknown feature, bad id, a window that
-    does not fit a cache) raises ``ValueError`` from ``progress`` before any
-    state changes; the batch is dropped and training can go on.
+    The first ``progress`` binds the data iterator; the stage reads it until it
+    ends. A batch that cannot be planned (unknown feature, bad id, a window that
+    does not fit a cache) makes ``progress`` raise ``ValueError`` naming the
+    step, before any state changes; the batch is dropped (on every rank) and
+    training can go on. Any other exception, Ctrl-C included, stops the stage
+    and the executor before it propagates; so does the end of the data and
+    :meth:`close`. The pipeline is also a context manager that closes itself.
     """
 
     def __init__(
@@ -62,9 +69,9 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._cached = [m for m in model.modules() if isinstance(m, lookahead_types)]
         if not self._cached:
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
-        self._known_features = _declared_features(model)
         for module in self._cached:
             module.attach(lookahead, prefetch_distance)
+        self._stage = LookaheadStage(self._cached, _declared_features(model), device)
         self._window: deque[Any] = deque()  # batches entered, not yet run
         self._moves: dict[int, StepMoves] = {}  # moves of planned steps not yet issued
         self._entered = 0  # batches that entered the window
@@ -72,16 +79,73 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._issued = 0  # steps whose moves went to the executor
         self._data_done = False
         self._executor = PlanExecutor(device)
-        # Seconds spent: distributing batches entering the window (DMP), planning them,
-        # waiting for rows to land, and in forward / backward / optimizer.
-        self.timings = {"input_dist_s": 0.0, "plan_s": 0.0, "wait_s": 0.0, "compute_s": 0.0}
+        # Seconds the trainer spent: waiting for the stage's next planned batch (planning
+        # on the critical path), waiting for rows to land, and in forward / backward /
+        # optimizer. The stage's own busy time is in ``stage_timings``.
+        self.timings = {"stage_s": 0.0, "wait_s": 0.0, "compute_s": 0.0}
+
+    @property
+    def stage_timings(self) -> dict[str, float]:
+        """Seconds the background stage spent distributing (DMP) and planning batches."""
+        return dict(self._stage.timings)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        self._fill(dataloader_iter)
+        try:
+            return self._progress(dataloader_iter)
+        except (StopIteration, ValueError):
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def cache_metrics(self) -> dict[str, CacheMetrics]:
+        """Counters per table (``module_path.table``; this rank's shards under DMP) and
+        their sum under ``"total"``."""
+        named = {id(m): name for name, m in self._model.named_modules()}
+        per_table = {
+            f"{named[id(m)]}.{table}".lstrip("."): metrics
+            for m in self._cached
+            for table, metrics in m.cache_metrics().items()
+        }
+        total = sum(per_table.values(), CacheMetrics())
+        total.wait_s, total.stage_s = self.timings["wait_s"], self.timings["stage_s"]
+        total.plan_s = self._stage.timings["plan_s"]
+        return per_table | {"total": total}
+
+    def hit_rates(self) -> list[float]:
+        """Per step planned so far, the share of its distinct ids (over every cached table
+        of this rank) that were already resident: a hit-rate curve over training."""
+        counts: dict[int, list[int]] = {}
+        for group in (g for m in self._cached for g in m.cached_groups):
+            for step, (unique, misses) in group.step_counts.items():
+                total = counts.setdefault(step, [0, 0])
+                total[0] += int(unique.sum())
+                total[1] += int(misses.sum())
+        return [
+            1 - misses / unique if unique else 1.0 for _, (unique, misses) in sorted(counts.items())
+        ]
+
+    def close(self) -> None:
+        """Stop the stage and the executor (after the moves already issued); idempotent."""
+        self._stage.close()
+        self._executor.close()
+
+    def __enter__(self) -> LookaheadTrainPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        if not self._stage.started:
+            self._stage.start(dataloader_iter)
+        self._fill()
         if not self._window:
             for module in self._cached:
                 module.write_back()
-            self._executor.close()
+            self.close()
             raise StopIteration
         step = self._next_step
         self._issue(through=step + self.prefetch_distance)
@@ -101,75 +165,25 @@ class LookaheadTrainPipeline(TrainPipeline):
         self.timings["compute_s"] += time.perf_counter() - start
         return output
 
-    def cache_metrics(self) -> dict[str, CacheMetrics]:
-        """Counters per table (``module_path.table``; this rank's shards under DMP) and
-        their sum under ``"total"``."""
-        named = {id(m): name for name, m in self._model.named_modules()}
-        per_table = {
-            f"{named[id(m)]}.{table}".lstrip("."): metrics
-            for m in self._cached
-            for table, metrics in m.cache_metrics().items()
-        }
-        total = sum(per_table.values(), CacheMetrics())
-        total.wait_s, total.plan_s = self.timings["wait_s"], self.timings["plan_s"]
-        return per_table | {"total": total}
-
-    def hit_rates(self) -> list[float]:
-        """Per step planned so far, the share of its distinct ids (over every cached table
-        of this rank) that were already resident: a hit-rate curve over training."""
-        counts: dict[int, list[int]] = {}
-        for group in (g for m in self._cached for g in m.cached_groups):
-            for step, (unique, misses) in group.step_counts.items():
-                total = counts.setdefault(step, [0, 0])
-                total[0] += int(unique.sum())
-                total[1] += int(misses.sum())
-        return [
-            1 - misses / unique if unique else 1.0 for _, (unique, misses) in sorted(counts.items())
-        ]
-
-    def close(self) -> None:
-        """Stop the executor thread (after the moves already issued); done at the end of data."""
-        self._executor.close()
-
-    # ------------------------------------------------------------ internals
-
-    def _fill(self, dataloader_iter: Iterator[Any]) -> None:
-        """Read batches until the window holds steps ``next .. next + L + d``."""
-        while not self._data_done and len(self._window) <= self.lookahead + self.prefetch_distance:
-            try:
-                batch = next(dataloader_iter)
-            except StopIteration:
-                self._data_done = True
-                start = time.perf_counter()
-                for module in self._cached:
-                    for step, moves in module.finish():
-                        self._moves.setdefault(step, []).extend(moves)
-                self.timings["plan_s"] += time.perf_counter() - start
-                break
-            batch = batch.to(self._device, non_blocking=True)
-            self._enter(batch)
-            self._window.append(batch)
-
-    def _enter(self, batch: Any) -> None:
+    def _fill(self) -> None:
+        """Take planned batches until the window holds steps ``next .. next + L + d``."""
         start = time.perf_counter()
-        distributing = self._input_dist_s()
-        features = batch.sparse_features
-        unknown = [k for k in features.keys() if k not in self._known_features]
-        if unknown:
-            raise ValueError(f"the batch has features {unknown} that no embedding module knows")
-        prepared = [module.prepare(features) for module in self._cached]  # may raise
-        for module, tables in zip(self._cached, prepared):
-            planned = module.enter(tables)
-            if planned is not None:
-                step, moves = planned
-                self._moves.setdefault(step, []).extend(moves)
-        self._entered += 1
-        distributed = self._input_dist_s() - distributing
-        self.timings["input_dist_s"] += distributed
-        self.timings["plan_s"] += time.perf_counter() - start - distributed
-
-    def _input_dist_s(self) -> float:
-        return sum(getattr(module, "input_dist_s", 0.0) for module in self._cached)
+        try:
+            while (
+                not self._data_done and len(self._window) <= self.lookahead + self.prefetch_distance
+            ):
+                item = self._stage.get()
+                if item.error is not None:
+                    raise item.error
+                for step, moves in item.planned:
+                    self._moves.setdefault(step, []).extend(moves)
+                if item.end:
+                    self._data_done = True
+                else:
+                    self._window.append(item.batch)
+                    self._entered += 1
+        finally:
+            self.timings["stage_s"] += time.perf_counter() - start
 
     def _issue(self, through: int) -> None:
         """Hand the moves of steps up to ``through`` to the executor (their issue points).

@@ -17,6 +17,7 @@ as plain UVM (``fused_uvm``), without FBGEMM's own cache.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -171,13 +172,22 @@ class LookaheadPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
 class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """``ShardedEmbeddingBagCollection`` with lookahead kernels, driven by the pipeline.
 
-    The pipeline runs ``input_dist`` for a batch when it enters the window
-    (``prepare``), so each rank's oracles see exactly the ids its shards will
-    serve; the step's forward later consumes that distributed input.
+    The lookahead stage runs ``input_dist`` for a batch when it enters the
+    window (``prepare``), so each rank's oracles see exactly the ids its shards
+    will serve; the step's forward later consumes that distributed input.
+
+    The stage runs on its own thread, beside the trainer's collectives, so its
+    collectives use a process group of their own (made at ``attach``, by every
+    rank): on the stage's thread this module's input dists are copies of
+    TorchRec's bound to that group, while the trainer thread (eval forward)
+    keeps TorchRec's own.
     """
 
     def __init__(self, module: LookaheadEmbeddingBagCollection, **kwargs: Any) -> None:
         self._sizing = module.sizing  # read by _create_lookups during super().__init__
+        self._on_stage = threading.local()  # .active: this thread is the lookahead stage
+        self._stage_pg: dist.ProcessGroup | None = None
+        self._stage_input_dists: list[torch.nn.Module] = []
         super().__init__(module=module, **kwargs)
         self.input_dist_s = 0.0  # time spent distributing batches entering the window
         self._window_inputs: deque[tuple[Any, Any]] = deque()  # (ctx, distributed input)
@@ -214,7 +224,36 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def cached_groups(self) -> list[CachedTables]:
         return [kernel.cached for lookup in self._lookups for kernel in lookup._emb_modules]
 
+    # TorchRec's input_dist reads self._input_dists: on the stage's thread it gets the copies.
+    @property
+    def _input_dists(self) -> list[torch.nn.Module]:
+        if self._stage_input_dists and getattr(self._on_stage, "active", False):
+            return self._stage_input_dists
+        return self.__dict__["_trainer_input_dists"]
+
+    @_input_dists.setter
+    def _input_dists(self, value: list[torch.nn.Module]) -> None:
+        self.__dict__["_trainer_input_dists"] = value
+
+    def _create_input_dist(self, input_feature_names: list[str]) -> None:
+        super()._create_input_dist(input_feature_names)
+        self._bind_stage_input_dists()
+
+    def _bind_stage_input_dists(self) -> None:
+        """Input dists like TorchRec's, their collectives on the stage's process group."""
+        if self._stage_pg is None or not self.__dict__["_trainer_input_dists"]:
+            return
+        dists = [sharding.create_input_dist() for sharding in self._embedding_shardings]
+        for module in (m for d in dists for m in d.modules()):
+            if isinstance(getattr(module, "_pg", None), dist.ProcessGroup):
+                module._pg = self._stage_pg
+        self._stage_input_dists = dists
+
     def attach(self, lookahead: int, prefetch_distance: int) -> None:
+        if self._stage_pg is None:  # a collective: every rank attaches in the same order
+            ranks = dist.get_process_group_ranks(self._env.process_group)
+            self._stage_pg = dist.new_group(ranks=ranks)
+            self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.attach(lookahead, prefetch_distance)
         self._window_inputs.clear()
@@ -230,7 +269,11 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._agree(self._check_ids(features))  # before the collective
         start = time.perf_counter()
         ctx = self.create_context()
-        distributed = self.input_dist(ctx, features).wait().wait()
+        self._on_stage.active = True
+        try:
+            distributed = self.input_dist(ctx, features).wait().wait()
+        finally:
+            self._on_stage.active = False
         self.input_dist_s += time.perf_counter() - start
         prepared, error = [], None
         try:
@@ -258,7 +301,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """Raise on every rank if any rank failed, so all drop the batch together."""
         failed = torch.tensor([error is not None], dtype=torch.int64)
         if self._env.world_size > 1:
-            dist.all_reduce(failed, group=self._env.process_group)
+            dist.all_reduce(failed, group=self._stage_pg)
         if failed.item():
             raise error or ValueError("another rank refused this batch (see its error)")
 

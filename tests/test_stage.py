@@ -1,0 +1,125 @@
+"""The lookahead stage: planning off the trainer thread, errors with their step, no threads left."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from models import (
+    assert_same_training_state,
+    batches,
+    lookahead_model,
+    reference_twin,
+    train_reference,
+)
+
+from torchrec_lookahead import LookaheadTrainPipeline
+
+DATA = batches(30)
+THREADS = ("lookahead-stage", "lookahead-executor")
+
+
+def pipeline_for(model, lookahead: int = 4) -> LookaheadTrainPipeline:
+    dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+    return LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=lookahead)
+
+
+@pytest.fixture
+def live_threads():
+    """The stage and executor threads started during the test that are still alive
+    (pipelines that earlier tests left mid-data are not this test's)."""
+    before = set(threading.enumerate())
+    return lambda: [t.name for t in threading.enumerate() if t.name in THREADS and t not in before]
+
+
+def test_batches_are_planned_on_the_stage_thread_not_the_trainer(live_threads) -> None:
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    planned_on = set()
+    prepare = model.unweighted.prepare
+
+    def spy(features):
+        planned_on.add(threading.current_thread().name)
+        return prepare(features)
+
+    model.unweighted.prepare = spy
+    pipeline, it = pipeline_for(model), iter(DATA)
+    for _ in range(5):
+        pipeline.progress(it)
+    assert planned_on == {"lookahead-stage"}
+    pipeline.close()
+    assert live_threads() == []
+
+
+def test_end_of_data_leaves_no_thread_behind(live_threads) -> None:
+    model = lookahead_model("adagrad", cache_load_factor=0.1)
+    twin = reference_twin(model, "adagrad")
+    pipeline, it, outputs = pipeline_for(model), iter(DATA), []
+    while True:
+        try:
+            outputs.append(pipeline.progress(it))
+        except StopIteration:
+            break
+    assert live_threads() == []
+    assert all(torch.equal(a, b) for a, b in zip(outputs, train_reference(twin, DATA)))
+    assert_same_training_state(model, twin)
+
+
+def test_a_loader_error_reaches_the_trainer_with_its_step(live_threads) -> None:
+    def loader():
+        yield from DATA[:12]
+        raise OSError("disk gone")
+
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    pipeline, it, steps = pipeline_for(model, lookahead=4), loader(), 0
+    with pytest.raises(RuntimeError, match=r"failed reading the batch of step 12: OSError") as info:
+        while True:
+            pipeline.progress(it)
+            steps += 1
+    assert isinstance(info.value.__cause__, OSError)
+    assert steps == 12 - 4 - 1  # the window (L + d + 1 batches) was short when it failed
+    assert live_threads() == []
+
+
+def test_an_error_inside_the_planner_reaches_the_trainer_with_its_step(live_threads) -> None:
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    enter = model.weighted.enter
+
+    def failing(prepared):
+        if prepared.step == 9:
+            raise MemoryError("no room for the plan")
+        return enter(prepared)
+
+    model.weighted.enter = failing
+    pipeline, it = pipeline_for(model), iter(DATA)
+    with pytest.raises(RuntimeError, match=r"failed planning the batch of step 9: MemoryError"):
+        while True:
+            pipeline.progress(it)
+    assert live_threads() == []
+
+
+def test_ctrl_c_during_a_step_stops_every_thread(live_threads) -> None:
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    forward, calls = model.forward, []
+
+    def interrupted(batch):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return forward(batch)
+
+    model.forward = interrupted
+    pipeline, it = pipeline_for(model), iter(DATA)
+    with pytest.raises(KeyboardInterrupt):
+        while True:
+            pipeline.progress(it)
+    assert live_threads() == []
+
+
+def test_the_context_manager_closes_a_pipeline_left_mid_data(live_threads) -> None:
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    with pipeline_for(model) as pipeline:
+        it = iter(DATA)
+        for _ in range(3):
+            pipeline.progress(it)
+    assert live_threads() == []

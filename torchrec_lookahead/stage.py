@@ -1,0 +1,171 @@
+"""The lookahead stage: reads batches ahead, distributes and plans them off the trainer thread.
+
+One background thread takes batches from the data loader, moves them to the
+device, lets every lookahead module ``prepare`` them (under DMP: the id
+check, ``input_dist`` and the vote on bad batches, on a process group of the
+stage's own) and ``enter`` them, and queues each batch with the moves of the
+steps it completed the window of. The trainer thread only takes batches off
+the queue in order and applies their plans. The oracle's inner loops release
+the GIL, so planning runs beside the step's compute.
+
+A batch that a module refuses (``ValueError``) changes nothing and is queued
+as that error, in its place; any other error ends the stage and is queued
+with the batch it happened at. ``close`` stops the thread, also while it
+waits on a full queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchrec_lookahead.cached_tables import StepMoves
+
+__all__ = ["LookaheadStage", "StageItem"]
+
+
+@dataclass
+class StageItem:
+    """What the stage hands the trainer, in data order."""
+
+    batch: Any = None  # a batch that entered the window (None: see error / end)
+    planned: list[tuple[int, StepMoves]] = field(default_factory=list)  # steps planned on entry
+    error: BaseException | None = None  # ValueError: the batch was refused, else the stage died
+    end: bool = False  # the data ended (``planned`` holds the last steps)
+
+
+class LookaheadStage:
+    """Runs the window's reading and planning on a background thread.
+
+    Args:
+        modules: the lookahead modules (unsharded or sharded) to plan for.
+        known_features: every feature some embedding module of the model looks up.
+        device: where batches go.
+        depth: batches planned ahead of what the trainer has taken.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[Any],
+        known_features: set[str],
+        device: torch.device,
+        depth: int = 4,
+    ) -> None:
+        self._modules = list(modules)
+        self._known = known_features
+        self._device = device
+        self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._entered = 0  # batches that entered the window: the step of the next one
+        # Seconds the thread spent distributing batches (DMP) and planning them.
+        self.timings = {"input_dist_s": 0.0, "plan_s": 0.0}
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self, dataloader_iter: Iterator[Any]) -> None:
+        """Start reading ``dataloader_iter`` (once)."""
+        self._thread = threading.Thread(
+            target=self._run, args=(dataloader_iter,), name="lookahead-stage", daemon=True
+        )
+        self._thread.start()
+
+    def get(self) -> StageItem:
+        """The next item, in data order (blocks until the thread has one)."""
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the lookahead stage stopped without a word") from None
+
+    def close(self) -> None:
+        """Stop the thread (idempotent). A thread blocked inside the loader or a collective
+        is left to finish that call; it is a daemon and queues nothing more."""
+        self._stop.set()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
+
+    # ------------------------------------------------------------ the thread
+
+    def _run(self, dataloader_iter: Iterator[Any]) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = next(dataloader_iter)
+            except StopIteration:
+                self._put(self._finish())
+                return
+            except BaseException as error:  # the trainer raises it with its step
+                self._put(StageItem(error=_at_step(error, self._entered, "reading")))
+                return
+            try:
+                item = self._enter(batch.to(self._device, non_blocking=True))
+            except ValueError as refused:
+                item = StageItem(error=refused)
+            except BaseException as error:
+                self._put(StageItem(error=_at_step(error, self._entered, "planning")))
+                return
+            if not self._put(item):
+                return
+
+    def _enter(self, batch: Any) -> StageItem:
+        start = time.perf_counter()
+        distributing = self._input_dist_s()
+        features = batch.sparse_features
+        unknown = [k for k in features.keys() if k not in self._known]
+        if unknown:
+            raise ValueError(f"the batch has features {unknown} that no embedding module knows")
+        prepared = [module.prepare(features) for module in self._modules]  # may raise
+        item = StageItem(batch=batch)
+        for module, tables in zip(self._modules, prepared):
+            planned = module.enter(tables)
+            if planned is not None:
+                item.planned.append(planned)
+        self._entered += 1
+        self._account(start, distributing)
+        return item
+
+    def _finish(self) -> StageItem:
+        start = time.perf_counter()
+        distributing = self._input_dist_s()
+        item = StageItem(end=True)
+        for module in self._modules:
+            item.planned.extend(module.finish())
+        self._account(start, distributing)
+        return item
+
+    def _account(self, start: float, distributing: float) -> None:
+        distributed = self._input_dist_s() - distributing
+        self.timings["input_dist_s"] += distributed
+        self.timings["plan_s"] += time.perf_counter() - start - distributed
+
+    def _input_dist_s(self) -> float:
+        return sum(getattr(module, "input_dist_s", 0.0) for module in self._modules)
+
+    def _put(self, item: StageItem) -> bool:
+        """Queue ``item`` unless the stage is closed; False if it was."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+
+def _at_step(error: BaseException, step: int, doing: str) -> RuntimeError:
+    failure = RuntimeError(
+        f"the lookahead stage failed {doing} the batch of step {step}: {error!r}"
+    )
+    failure.__cause__ = error
+    return failure
