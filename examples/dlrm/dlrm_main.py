@@ -466,7 +466,7 @@ def cells(run: Run) -> dict[str, str]:
         "rows written back / step": f"{cache['rows_written_back_per_step']:,.0f}" if cache else "-",
         "executor wait ms / step": f"{cache['executor_wait_ms_per_step']:.2f}" if cache else "-",
         "planning ms / step": f"{cache['planning_ms_per_step']:.2f}" if cache else "-",
-        "... on the trainer ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
+        "plan wait ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
     }
 
 
