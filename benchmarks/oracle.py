@@ -2,7 +2,11 @@
 
 On a Criteo-shaped stream (26 tables of Criteo Kaggle's sizes times --scale,
 per-table Zipf skew) it counts, at cache sizes of a few percent of each
-table, how many rows each policy fetches. It then times the oracle against
+table, how many rows each policy fetches (the oracle and MIN with the
+frequency tie-break). Two variants of the oracle at the longest lookahead
+stand beside them: the previous recency tie-break, and one pooled oracle
+over all tables' ids with the same total slots (instead of a fixed split per
+table). It then times the oracle, on 1 and 2 partitions (threads), against
 ``np.unique(batch, return_inverse=True)`` on 65,536-id batches of a 2M-row
 table, the floor for any planner that has to deduplicate its input.
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -21,8 +26,8 @@ import numpy as np
 from common import machine, pinned_rows_needed
 from tqdm import tqdm
 
-from torchrec_lookahead import OracleCacher
 from torchrec_lookahead.data import SyntheticCriteo, ZipfSampler
+from torchrec_lookahead.partitioned import PartitionedOracle
 from torchrec_lookahead.simulate import lfu_misses, lru_misses, min_misses, oracle_misses
 
 BAGPIPE_IDS_PER_S = 16384 * 26 / 0.075  # Bagpipe's Python oracle, per its paper
@@ -34,41 +39,64 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
     floors = [pinned_rows_needed(s, args.prefetch_distance) for s in streams]
     distinct_per_step = sum(len(np.unique(b)) for s in streams for b in s)
     compulsory = sum(len(np.unique(np.concatenate(s))) for s in streams)
+    d, longest = args.prefetch_distance, max(args.lookaheads)
 
-    policies: dict[str, object] = {"LRU": lru_misses, "LFU": lfu_misses}
+    def per_table(simulate) -> object:
+        """Total misses of ``simulate(stream, capacity, rows)`` over the tables."""
+        return lambda caps: sum(
+            int(simulate(stream, cap, n).sum())
+            for stream, cap, n in zip(streams, caps, data.num_embeddings)
+        )
+
+    policies: dict[str, object] = {"LRU": per_table(lru_misses), "LFU": per_table(lfu_misses)}
     for lookahead in args.lookaheads:
-        policies[f"oracle L={lookahead}"] = lambda b, c, n, L=lookahead: oracle_misses(
-            b, c, L, args.prefetch_distance, n
+        policies[f"oracle L={lookahead}"] = per_table(
+            lambda b, c, n, L=lookahead: oracle_misses(b, c, L, d, n)
         )
-    policies["MIN"] = min_misses
+    policies["MIN"] = per_table(min_misses)
+    # One oracle over all tables: table t's id i is sum(rows of tables < t) + i.
+    offsets = np.cumsum([0, *data.num_embeddings[:-1]])
+    pooled = [
+        np.concatenate([stream[step] + offset for stream, offset in zip(streams, offsets)])
+        for step in range(args.steps)
+    ]
+    variants: dict[str, object] = {
+        f"L={longest} recency": per_table(
+            lambda b, c, n: oracle_misses(b, c, longest, d, n, tie_break="recency")
+        ),
+        f"pooled L={longest}": lambda caps: int(
+            oracle_misses(pooled, sum(caps), longest, d, sum(data.num_embeddings)).sum()
+        ),
+    }
 
-    rows = []
-    runs = [(f, name) for f in args.cache_fractions for name in policies]
-    for fraction, name in tqdm(runs, desc="simulating", unit="run"):
-        capacities = [
-            min(n, max(math.ceil(fraction * n), floor))
-            for n, floor in zip(data.num_embeddings, floors)
-        ]
-        misses = sum(
-            int(policies[name](stream, cap, n).sum())
-            for stream, cap, n in zip(streams, capacities, data.num_embeddings)
-        )
-        rows.append(
-            {
-                "cache_fraction": fraction,
-                "cache_rows": sum(capacities),
-                "policy": name,
-                "misses": misses,
-                "miss_rate": misses / distinct_per_step,
-            }
-        )
+    def results(named: dict[str, object]) -> list[dict[str, object]]:
+        rows = []
+        runs = [(f, name) for f in args.cache_fractions for name in named]
+        for fraction, name in tqdm(runs, desc="simulating", unit="run"):
+            capacities = [
+                min(n, max(math.ceil(fraction * n), floor))
+                for n, floor in zip(data.num_embeddings, floors)
+            ]
+            misses = named[name](capacities)
+            rows.append(
+                {
+                    "cache_fraction": fraction,
+                    "cache_rows": sum(capacities),
+                    "policy": name,
+                    "misses": misses,
+                    "miss_rate": misses / distinct_per_step,
+                }
+            )
+        return rows
+
     return {
         "tables": data.num_tables,
         "rows": sum(data.num_embeddings),
         "ids": args.batch_size * args.steps * data.num_tables,
         "distinct_ids_per_step_total": distinct_per_step,
         "compulsory_misses": compulsory,
-        "results": rows,
+        "results": results(policies),
+        "variants": results(variants),
     }
 
 
@@ -77,29 +105,37 @@ def throughput(args: argparse.Namespace) -> list[dict[str, object]]:
     rng = np.random.default_rng(args.seed)
     batches = [sampler.sample(rng, args.tp_batch) for _ in range(args.tp_batches)]
     ids = args.tp_batch * args.tp_batches
+    # At least twice the smallest workable cache, so each partition's share fits its rows.
+    capacity = max(
+        int(args.tp_cache_fraction * args.tp_rows),
+        2 * pinned_rows_needed(batches, args.prefetch_distance),
+    )
 
-    def best_of(fn) -> float:
+    def oracle(lookahead: int, partitions: int) -> PartitionedOracle:
+        return PartitionedOracle(
+            capacity, lookahead, args.prefetch_distance, args.tp_rows, partitions=partitions
+        )
+
+    def median_of(fn) -> float:
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-        return min(times)
+        return statistics.median(times)
 
-    unique_s = best_of(lambda: [np.unique(b, return_inverse=True) for b in batches])
+    for partitions in args.tp_partitions:  # compile (or load the compiled kernels) first
+        list(oracle(1, partitions).plan(batches[:2]))
+    unique_s = median_of(lambda: [np.unique(b, return_inverse=True) for b in batches])
+    runs = [(k, L) for k in args.tp_partitions for L in args.tp_lookaheads]
     out = []
-    capacity = max(
-        int(args.tp_cache_fraction * args.tp_rows),
-        pinned_rows_needed(batches, args.prefetch_distance),
-    )
-    for lookahead in tqdm(args.lookaheads, desc="timing oracle", unit="L"):
-        oracle_s = best_of(
-            lambda L=lookahead: list(
-                OracleCacher(capacity, L, args.prefetch_distance, args.tp_rows).plan(batches)
-            )
+    for partitions, lookahead in tqdm(runs, desc="timing oracle", unit="run"):
+        oracle_s = median_of(
+            lambda L=lookahead, k=partitions: list(oracle(L, k).plan(batches))
         )
         out.append(
             {
+                "partitions": partitions,
                 "lookahead": lookahead,
                 "capacity": capacity,
                 "oracle_s": oracle_s,
@@ -119,7 +155,8 @@ def plot(report: dict[str, object], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    results = report["misses"]["results"]
+    results = report["misses"]["results"] + report["misses"]["variants"]
+    variants = {r["policy"] for r in report["misses"]["variants"]}
     for policy in dict.fromkeys(r["policy"] for r in results):
         pts = [r for r in results if r["policy"] == policy]
         ax.plot(
@@ -127,7 +164,7 @@ def plot(report: dict[str, object], path: Path) -> None:
             [100 * p["miss_rate"] for p in pts],
             marker="o",
             label=policy,
-            linestyle="--" if policy == "MIN" else "-",
+            linestyle="--" if policy == "MIN" else ":" if policy in variants else "-",
         )
     compulsory = (
         report["misses"]["compulsory_misses"] / report["misses"]["distinct_ids_per_step_total"]
@@ -153,7 +190,7 @@ def plot(report: dict[str, object], path: Path) -> None:
 
 def print_tables(report: dict[str, object]) -> None:
     misses = report["misses"]
-    results = misses["results"]
+    results = misses["results"] + misses["variants"]
     policies = list(dict.fromkeys(r["policy"] for r in results))
     fractions = list(dict.fromkeys(r["cache_fraction"] for r in results))
     print(
@@ -161,22 +198,25 @@ def print_tables(report: dict[str, object]) -> None:
         f"{misses['rows']:,} rows, {misses['ids']:,} ids; compulsory misses "
         f"{100 * misses['compulsory_misses'] / misses['distinct_ids_per_step_total']:.2f}%"
     )
-    print(f"{'cache':>7} {'rows':>10} " + " ".join(f"{p:>13}" for p in policies))
+    print(f"{'cache':>7} {'rows':>10} " + " ".join(f"{p:>14}" for p in policies))
     for f in fractions:
         row = {r["policy"]: r for r in results if r["cache_fraction"] == f}
-        cells = " ".join(f"{100 * row[p]['miss_rate']:>12.2f}%" for p in policies)
+        cells = " ".join(f"{100 * row[p]['miss_rate']:>13.2f}%" for p in policies)
         print(f"{100 * f:>6.1f}% {row[policies[0]]['cache_rows']:>10,} {cells}")
     cfg = report["config"]
     print(
         f"\nPlanning speed: {cfg['tp_batches']} batches of {cfg['tp_batch']:,} ids, "
         f"table of {cfg['tp_rows']:,} rows, cache {cfg['tp_cache_fraction']:.0%}, "
-        f"best of {cfg['repeats']}"
+        f"median of {cfg['repeats']}"
     )
-    print(f"{'L':>4} {'oracle s':>9} {'unique s':>9} {'ratio':>6} {'M ids/s':>8} {'x Bagpipe':>9}")
+    print(
+        f"{'K':>2} {'L':>4} {'oracle s':>9} {'unique s':>9} {'ratio':>6} {'M ids/s':>8} "
+        f"{'x Bagpipe':>9}"
+    )
     for t in report["throughput"]:
         print(
-            f"{t['lookahead']:>4} {t['oracle_s']:>9.3f} {t['unique_s']:>9.3f} "
-            f"{t['ratio_to_unique']:>6.2f} {t['ids_per_s'] / 1e6:>8.1f} "
+            f"{t['partitions']:>2} {t['lookahead']:>4} {t['oracle_s']:>9.3f} "
+            f"{t['unique_s']:>9.3f} {t['ratio_to_unique']:>6.2f} {t['ids_per_s'] / 1e6:>8.1f} "
             f"{t['speedup_vs_bagpipe']:>9.1f}"
         )
     print(f"\nMachine: {report['machine']['cpu']}, {report['machine']['cores']} cores")
@@ -193,12 +233,14 @@ def main() -> None:
     parser.add_argument(
         "--cache-fractions", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.05, 0.10]
     )
-    parser.add_argument("--lookaheads", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--lookaheads", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--prefetch-distance", type=int, default=1)
     parser.add_argument("--tp-rows", type=int, default=2_000_000)
     parser.add_argument("--tp-batch", type=int, default=65_536)
     parser.add_argument("--tp-batches", type=int, default=100)
     parser.add_argument("--tp-cache-fraction", type=float, default=0.05)
+    parser.add_argument("--tp-lookaheads", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--tp-partitions", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 

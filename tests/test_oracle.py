@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchrec_lookahead import OracleCacher
+from torchrec_lookahead import oracle_kernels as kernels
+from torchrec_lookahead.oracle import TIE_BREAKS
 from torchrec_lookahead.simulate import reference_min, reference_windowed
+
+tie_breaks = st.sampled_from(TIE_BREAKS)
 
 
 @st.composite
@@ -30,37 +36,88 @@ def traces(draw: st.DrawFn) -> tuple[list[np.ndarray], int, int, int, int]:
     return batches, num_rows, capacity, lookahead, prefetch_distance
 
 
-def run_oracle(batches, capacity, lookahead, d, num_rows=None):
-    oracle = OracleCacher(capacity, lookahead, d, num_rows)
+def run_oracle(batches, capacity, lookahead, d, num_rows=None, tie_break="frequency"):
+    oracle = OracleCacher(capacity, lookahead, d, num_rows, tie_break=tie_break)
     plans = list(oracle.plan(batches))
     return oracle, plans
 
 
-@given(traces())
-def test_plans_meet_the_contract_and_match_the_reference(trace) -> None:
-    batches, num_rows, capacity, lookahead, d = trace
+def assert_matches_reference(batches, num_rows, capacity, lookahead, d, tie_break) -> None:
+    """The oracle meets the contract and makes the reference's choices, step by step."""
     try:
-        expected = reference_windowed(batches, capacity, lookahead, d)
+        expected = reference_windowed(batches, capacity, lookahead, d, tie_break)
     except ValueError:
         with pytest.raises(ValueError, match="a capacity of at least"):
-            run_oracle(batches, capacity, lookahead, d, num_rows)
+            run_oracle(batches, capacity, lookahead, d, num_rows, tie_break)
         return
-    oracle, plans = run_oracle(batches, capacity, lookahead, d, num_rows)
+    oracle, plans = run_oracle(batches, capacity, lookahead, d, num_rows, tie_break)
     replay(batches, plans, oracle.flush(), capacity, d)
     for plan, want in zip(plans, expected):
         assert set(plan.fetch_ids.tolist()) == want.fetched, plan.step
         assert set(plan.evict_ids.tolist()) == want.evicted, plan.step
 
 
-@given(traces())
-def test_full_lookahead_without_prefetch_distance_is_belady_min(trace) -> None:
+@given(traces(), tie_breaks)
+def test_plans_meet_the_contract_and_match_the_reference(trace, tie_break) -> None:
+    assert_matches_reference(*trace, tie_break)
+
+
+@pytest.mark.parametrize("tie_break", TIE_BREAKS)
+@pytest.mark.parametrize("lookahead, d", [(0, 0), (1, 1), (4, 2), (16, 0), (60, 1)])
+def test_matches_the_reference_on_larger_traces(lookahead, d, tie_break) -> None:
+    # Larger than hypothesis draws: many groups of candidates, some evicted in part, and
+    # (on the uniform trace, whose rows come back within the window) buckets taken in part.
+    rng = np.random.default_rng(lookahead * 10 + d)
+    skewed = [np.minimum(rng.zipf(1.3, size=50), 400) - 1 for _ in range(60)]
+    uniform = [rng.integers(0, 250, size=40) for _ in range(60)]
+    for batches, capacity in [(skewed, 130), (skewed, 200), (uniform, 90), (uniform, 150)]:
+        assert_matches_reference(batches, 400, capacity, lookahead, d, tie_break)
+
+
+@given(traces(), tie_breaks)
+def test_full_lookahead_without_prefetch_distance_is_belady_min(trace, tie_break) -> None:
     batches, num_rows, capacity, _, _ = trace
     try:
-        expected = reference_min(batches, capacity)
+        expected = reference_min(batches, capacity, tie_break)
     except ValueError:
         return
-    _, plans = run_oracle(batches, capacity, len(batches), 0, num_rows)
+    _, plans = run_oracle(batches, capacity, len(batches), 0, num_rows, tie_break)
     assert [p.num_misses for p in plans] == expected
+
+
+@pytest.mark.parametrize("tie_break, evicted", [("frequency", 2), ("recency", 1)])
+def test_tie_break_among_rows_with_no_use_in_the_window(tie_break, evicted) -> None:
+    # At step 2 neither row 1 nor row 2 is used in the window. Row 1 was used twice
+    # (duplicates count) but longer ago: frequency keeps it, recency does not.
+    batches = [np.array([1, 1]), np.array([2]), np.array([3]), np.array([4])]
+    _, plans = run_oracle(batches, capacity=2, lookahead=1, d=0, tie_break=tie_break)
+    assert plans[2].evict_ids.tolist() == [evicted]
+
+
+def test_unknown_tie_break_is_refused() -> None:
+    with pytest.raises(ValueError, match="tie_break"):
+        OracleCacher(4, 1, tie_break="random")
+    with pytest.raises(ValueError, match="tie_break"):
+        reference_windowed([np.array([1])], 4, 1, 0, tie_break="lfu")
+
+
+def test_kernels_release_the_gil_and_oracles_plan_on_threads() -> None:
+    for kernel in (kernels.prepare_batch, kernels.enter_batch, kernels.emit_step):
+        assert kernel.targetoptions["nogil"], kernel
+    rng = np.random.default_rng(7)
+    tables = [[rng.integers(0, 5000, size=3000) for _ in range(20)] for _ in range(2)]
+    alone = [[p.fetch_ids.tolist() for p in run_oracle(t, 4500, 4, 1)[1]] for t in tables]
+    together: list = [None, None]
+
+    def plan(t: int) -> None:
+        together[t] = [p.fetch_ids.tolist() for p in run_oracle(tables[t], 4500, 4, 1)[1]]
+
+    threads = [threading.Thread(target=plan, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert together == alone
 
 
 def optimal_misses(batches: list[set[int]], capacity: int) -> int:

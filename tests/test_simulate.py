@@ -7,13 +7,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from torchrec_lookahead.oracle import TIE_BREAKS
 from torchrec_lookahead.simulate import (
     lfu_misses,
     lru_misses,
     min_misses,
+    oracle_misses,
     reference_lfu,
     reference_lru,
     reference_min,
+    reference_windowed,
 )
 
 batches_and_capacity = st.integers(1, 30).flatmap(
@@ -36,13 +39,34 @@ def test_fast_lfu_matches_reference(case) -> None:
     assert lfu_misses(batches, capacity).tolist() == reference_lfu(batches, capacity)
 
 
-@given(batches_and_capacity)
-def test_min_misses_no_more_than_lru_or_lfu(case) -> None:
+@given(batches_and_capacity, st.sampled_from(TIE_BREAKS))
+def test_min_misses_no_more_than_lru_or_lfu(case, tie_break) -> None:
     batches, capacity = case
-    best = reference_min(batches, capacity)
-    assert min_misses(batches, capacity).tolist() == best
+    best = reference_min(batches, capacity, tie_break)
+    assert min_misses(batches, capacity, tie_break=tie_break).tolist() == best
     assert sum(best) <= sum(reference_lru(batches, capacity))
     assert sum(best) <= sum(reference_lfu(batches, capacity))
+
+
+@given(batches_and_capacity)
+def test_an_empty_window_orders_by_the_tie_break_alone(case) -> None:
+    # What lru_misses and lfu_misses rely on, checked on the references themselves.
+    batches, capacity = case
+    for tie_break, reference in (("recency", reference_lru), ("frequency", reference_lfu)):
+        outcomes = reference_windowed(batches, capacity, 0, 0, tie_break)
+        assert [len(o.fetched) for o in outcomes] == reference(batches, capacity)
+
+
+@given(batches_and_capacity, st.integers(0, 6), st.integers(0, 2))
+def test_oracle_misses_follow_the_reference(case, lookahead, d) -> None:
+    batches, capacity = case
+    for tie_break in TIE_BREAKS:
+        try:
+            outcomes = reference_windowed(batches, capacity, lookahead, d, tie_break)
+        except ValueError:
+            continue
+        got = oracle_misses(batches, capacity, lookahead, d, tie_break=tie_break)
+        assert got.tolist() == [len(o.fetched) for o in outcomes]
 
 
 def test_policies_refuse_a_batch_larger_than_the_cache() -> None:

@@ -2,6 +2,7 @@
 
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import CachePlan, OracleCacher
+from torchrec_lookahead.partitioned import PartitionedOracle
 
 __all__ = [
     "CacheMetrics",
@@ -10,6 +11,7 @@ __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
     "LookaheadTrainPipeline",
     "OracleCacher",
+    "PartitionedOracle",
     "lookahead_sharders",
 ]
 

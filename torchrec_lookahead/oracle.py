@@ -5,19 +5,30 @@ before the batch runs and emits a :class:`CachePlan` per step that says which
 rows to write back, which to fetch, and in which slot every id of the batch
 will be. Its policy is Belady's within the visible window: evict only when a
 slot is needed, first rows with no use in the window, then the row whose next
-use is farthest. Rules and timing are in ``DESIGN.md`` section 4.
+use is farthest; remaining ties go to the row with fewer uses so far (the
+``"frequency"`` tie-break, or skip that with ``"recency"``), then the least
+recently used, then the smaller id. Rules and timing are in ``DESIGN.md``
+section 4.
 
-How it stays fast (no Python loop over ids, no sort per batch):
+How it stays fast: the per-step work runs in three compiled passes
+(:mod:`torchrec_lookahead.oracle_kernels`, numba, GIL released), one call
+each per ``prepare``, batch entry and plan, and nothing sorts a batch:
 
-* Deduplication by scatter: every table row remembers the global position of
-  its latest occurrence (``_last_occ``). Writing a batch's positions there and
-  reading them back finds one representative per distinct id in O(n).
-* Next use by chaining: when a row appears again, the window's ring of
-  occurrences (``_occ_next``) links its previous occurrence to the new step.
-  When a step is planned, each of its rows learns its next use from that link,
-  so a resident row's next use is always known per slot (``_next_use``).
-* Victims by ``argpartition`` over the slots, with a deterministic tie-break
-  (least recently used, then smallest id).
+* Deduplication by scatter: every table row remembers the stream position of
+  its latest distinct occurrence, so one pass over a batch finds its distinct
+  ids, their multiplicities, and each id's index among them.
+* Next use by chaining: when a row appears again, its previous occurrence is
+  linked to the new step, so each planned row knows its next use at once.
+* Victims without a scan: a resident row becomes a candidate when it leaves
+  the pinned steps ``s-d..s``, and its tie-break key is then frozen.
+  Candidates with a next use wait in that step's bucket, which dissolves when
+  the step is planned (its rows are hits); those with no use in the window
+  wait in groups of equal key (one per use count and release step) kept in a
+  heap. So a plan costs O(1) per id it touches and O(log groups) per group,
+  never O(capacity).
+* Memory layout: a row's fields share one 16-byte record and a slot's one
+  64-byte record, and the passes prefetch them ahead, because a step's cost
+  is the cache misses on tables larger than the CPU's caches.
 
 The capacity rule (steps ``s-d..s`` must fit together) is checked when a
 batch enters the window, and a batch that breaks it (or has bad ids) is
@@ -26,6 +37,7 @@ refused before any state changes, so the caller may handle the error and go on.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -33,11 +45,21 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_lookahead.slots import SlotTable, largest_keys
+from torchrec_lookahead.oracle_kernels import RESIDENT, ROW, emit_step, enter_batch, prepare_batch
+from torchrec_lookahead.slots import grow_rings, grow_rows, new_state
 
-__all__ = ["CachePlan", "OracleCacher", "PreparedBatch", "as_id_array"]
+__all__ = [
+    "TIE_BREAKS",
+    "CachePlan",
+    "CachePlanner",
+    "OracleCacher",
+    "PreparedBatch",
+    "as_id_array",
+    "as_int64",
+    "check_range",
+]
 
-_NEVER = np.iinfo(np.int32).max  # next use of a row with no use in the window
+TIE_BREAKS = ("frequency", "recency")
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
@@ -67,22 +89,27 @@ class PreparedBatch:
 
     oracle: OracleCacher
     step: int
-    ids: np.ndarray
-    unique: np.ndarray
-    unique_pos: np.ndarray  # global positions of one occurrence of each distinct id
-    unique_prev: np.ndarray  # each distinct id's latest earlier position (-1: none)
+    ids: np.ndarray  # the batch, int64
+    unique: np.ndarray  # its distinct ids, in order of first occurrence
+    prev: np.ndarray  # each distinct id's latest earlier stream position (-1: none)
+    mult: np.ndarray  # each distinct id's occurrences in the batch
+    inverse: np.ndarray  # each id's index into ``unique``
+    gaps: list[int]  # gaps[j]: distinct ids last seen in step ``step - j`` (j = 1..d)
     pinned_rows: int  # distinct ids of steps step-d..step
+    taken: np.ndarray  # for a hash share: the batch positions of its ids (else empty)
 
 
 @dataclass
 class _WindowBatch:
-    """A batch inside the window: its ids and where its occurrences start."""
+    """A batch inside the window: what planning and the pinned-row count need of it."""
 
     step: int
-    ids: np.ndarray  # the batch as given (int64, duplicates kept)
-    start: int  # global position of ids[0]
-    unique: np.ndarray  # distinct ids (one representative each)
-    unique_pos: np.ndarray  # global positions of the representatives
+    start: int  # stream position of its first distinct id
+    unique: np.ndarray
+    mult: np.ndarray
+    inverse: np.ndarray
+    gaps: list[int]
+    slots: np.ndarray | None = None  # slot of each distinct id, once planned
 
 
 def as_id_array(batch: Any, where: str, num_rows: int | None) -> np.ndarray:
@@ -92,6 +119,13 @@ def as_id_array(batch: Any, where: str, num_rows: int | None) -> np.ndarray:
     naming ``where`` (e.g. ``"step 12"``) and the id for negative or
     out-of-range ids.
     """
+    ids = as_int64(batch, where)
+    check_range(ids, where, num_rows)
+    return ids
+
+
+def as_int64(batch: Any, where: str) -> np.ndarray:
+    """A batch as a 1-D int64 numpy array (no copy when it is one); ids unchecked."""
     if hasattr(batch, "detach"):  # a torch tensor, without importing torch here
         batch = batch.detach().cpu().numpy()
     ids = np.asarray(batch)
@@ -99,79 +133,34 @@ def as_id_array(batch: Any, where: str, num_rows: int | None) -> np.ndarray:
         raise ValueError(f"{where}: a batch must be a 1-D array of ids, got shape {ids.shape}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"{where}: ids must be integers, got dtype {ids.dtype}")
-    ids = ids.astype(np.int64, copy=True)
-    if ids.size:
-        low = int(ids.min())
-        if low < 0:
-            pos = int(np.argmax(ids < 0))
-            raise ValueError(f"{where}: negative id {low} (first at position {pos})")
-        high = int(ids.max())
-        if num_rows is not None and high >= num_rows:
-            pos = int(np.argmax(ids >= num_rows))
-            raise ValueError(
-                f"{where}: id {high} is out of range for a table of {num_rows} rows "
-                f"(first bad id at position {pos})"
-            )
-    return ids
+    return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-class OracleCacher:
-    """Windowed-Belady cache planner for one table.
+def check_range(ids: np.ndarray, where: str, num_rows: int | None) -> None:
+    """Raise ``ValueError`` naming ``where`` for a negative id or one not below ``num_rows``."""
+    if not ids.size:
+        return
+    low = int(ids.min())
+    if low < 0:
+        pos = int(np.argmax(ids < 0))
+        raise ValueError(f"{where}: negative id {low} (first at position {pos})")
+    high = int(ids.max())
+    if num_rows is not None and high >= num_rows:
+        pos = int(np.argmax(ids >= num_rows))
+        raise ValueError(
+            f"{where}: id {high} is out of range for a table of {num_rows} rows "
+            f"(first bad id at position {pos})"
+        )
 
-    Args:
-        capacity: cache slots (rows resident at once).
-        lookahead: ``L``, how many batches past step ``s`` are visible when
-            ``plan(s)`` is made. ``0`` sees only the batch itself (then the
-            policy is batched LRU).
-        prefetch_distance: ``d``; ``plan(s)`` is applied at the start of step
-            ``s - d``, so rows of steps ``s-d..s`` are pinned together.
-        num_rows: table size; when given, ids are checked against it.
 
-    Memory: 12 bytes per table row (slot map and latest occurrence), 16 bytes
-    per cache slot, and about 40 bytes per id inside the window of ``L + 1``
-    batches (``max(L + 1, d + 2)`` batches are kept).
-    """
+class CachePlanner(ABC):
+    """What every planner offers: batches in with ``push``, plans out in step order."""
 
-    def __init__(
-        self,
-        capacity: int,
-        lookahead: int,
-        prefetch_distance: int = 1,
-        num_rows: int | None = None,
-    ) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1, got {capacity}")
-        if lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-        if prefetch_distance < 0:
-            raise ValueError(f"prefetch_distance must be >= 0, got {prefetch_distance}")
-        if num_rows is not None and num_rows < 1:
-            raise ValueError(f"num_rows must be at least 1, got {num_rows}")
-        self.capacity = capacity
-        self.lookahead = lookahead
-        self.prefetch_distance = prefetch_distance
-        self.num_rows = num_rows
+    @abstractmethod
+    def push(self, batch: Any) -> CachePlan | None: ...
 
-        self._slots = SlotTable(capacity, num_rows)
-        self._last_occ = np.full(num_rows or 0, -1, dtype=np.int64)
-        self._next_use = np.full(capacity, _NEVER, dtype=np.int32)
-        self._last_use = np.full(capacity, -1, dtype=np.int32)
-        self._occ_next = np.full(1024, _NEVER, dtype=np.int32)  # ring, by global position
-        self._head = 0  # global position of the next id to enter
-        self._window: deque[_WindowBatch] = deque()  # entered, some already planned
-        self._next_plan = 0  # step of the next plan to emit
-        self._pinned_rows = 0  # distinct ids of the newest d+1 batches
-
-    # ------------------------------------------------------------------ API
-
-    @property
-    def num_resident(self) -> int:
-        return self._slots.num_resident
-
-    @property
-    def steps_pushed(self) -> int:
-        """Batches that have entered the window so far."""
-        return self._window[-1].step + 1 if self._window else self._next_plan
+    @abstractmethod
+    def finish(self) -> list[CachePlan]: ...
 
     def plan(self, batches: Iterable[Any]) -> Iterator[CachePlan]:
         """Plans for a stream of batches, in step order, with the end drained."""
@@ -181,6 +170,75 @@ class OracleCacher:
                 yield ready
         yield from self.finish()
 
+
+class OracleCacher(CachePlanner):
+    """Windowed-Belady cache planner for one table.
+
+    Args:
+        capacity: cache slots (rows resident at once).
+        lookahead: ``L``, how many batches past step ``s`` are visible when
+            ``plan(s)`` is made. ``0`` sees only the batch itself (then the
+            policy is batched LRU, or LFU under the frequency tie-break).
+        prefetch_distance: ``d``; ``plan(s)`` is applied at the start of step
+            ``s - d``, so rows of steps ``s-d..s`` are pinned together.
+        num_rows: table size; when given, ids are checked against it.
+        tie_break: order of candidates with the same next use (or none):
+            ``"frequency"`` (fewer uses in planned steps first, then least
+            recently used, then smaller id) or ``"recency"`` (least recently
+            used, then smaller id).
+
+    Memory: 16 bytes per table row, 104 bytes per cache slot, and about 4
+    bytes per id plus 28 per distinct id of each batch in the window
+    (``max(L + 1, d + 2)`` batches are kept).
+
+    One oracle is not thread-safe, but its compiled passes release the GIL,
+    so oracles of different tables plan in parallel on threads.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        lookahead: int,
+        prefetch_distance: int = 1,
+        num_rows: int | None = None,
+        *,
+        tie_break: str = "frequency",
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        if prefetch_distance < 0:
+            raise ValueError(f"prefetch_distance must be >= 0, got {prefetch_distance}")
+        if num_rows is not None and num_rows < 1:
+            raise ValueError(f"num_rows must be at least 1, got {num_rows}")
+        if tie_break not in TIE_BREAKS:
+            raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
+        self.capacity = capacity
+        self.lookahead = lookahead
+        self.prefetch_distance = prefetch_distance
+        self.num_rows = num_rows
+        self.tie_break = tie_break
+
+        self._frequency = tie_break == "frequency"
+        self._state = new_state(capacity, num_rows or 0)
+        self._window: deque[_WindowBatch] = deque()  # entered, some already planned
+        self._head = 0  # stream position of the next distinct id to enter
+        self._steps_pushed = 0
+        self._next_plan = 0  # step of the next plan to emit
+        self._pinned_rows = 0  # distinct ids of the newest d+1 batches
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def num_resident(self) -> int:
+        return int(self._state.counters[RESIDENT])
+
+    @property
+    def steps_pushed(self) -> int:
+        """Batches that have entered the window so far."""
+        return self._steps_pushed
+
     def prepare(self, batch: Any) -> PreparedBatch:
         """Check the next batch without letting it in; ``push`` it afterwards.
 
@@ -188,32 +246,54 @@ class OracleCacher:
         ``step-d..step`` cannot all be resident at once. Changes nothing, so a
         caller planning several tables can check all of them before any moves.
         """
-        step = self.steps_pushed
-        ids = as_id_array(batch, f"step {step}", self.num_rows)
-        self._grow_rows(ids)
+        prepared = self.prepare_unchecked(batch)
+        if prepared.pinned_rows > self.capacity:
+            d, step = self.prefetch_distance, prepared.step
+            raise ValueError(
+                f"step {step}: steps {max(step - d, 0)}..{step} use {prepared.pinned_rows} "
+                f"distinct rows, which must be resident together (prefetch_distance={d}), but "
+                f"the cache has {self.capacity} slots; a capacity of at least "
+                f"{prepared.pinned_rows} is needed"
+            )
+        return prepared
+
+    def prepare_unchecked(
+        self, batch: Any, *, parts: int = 1, part: int = 0, id_limit: int | None = None
+    ) -> PreparedBatch:
+        """``prepare`` without the capacity check (for planners that check several at once).
+
+        With ``parts > 1`` this oracle plans hash partition ``part`` of a table
+        of ``id_limit`` rows (``None``: unknown): it takes only the batch's ids
+        of that partition (``oracle_kernels.split_of``), as rows ``id // parts``.
+        """
+        step = self._steps_pushed
+        where = f"step {step}"
+        ids = as_int64(batch, where)
+        d = self.prefetch_distance
+        starts = np.array([self._start_of(step - j) for j in range(1, d + 1)], dtype=np.int64)
+        if parts == 1:
+            id_limit = self.num_rows
+
+        def run() -> tuple:
+            limit = -1 if id_limit is None else id_limit
+            return prepare_batch(ids, self._state.rows, self._head, starts, parts, part, limit)
+
+        found, unique, prev, mult, inverse, gaps, taken = run()
+        if found < 0:  # an id outside the tables: bad, or (table size unknown) the tables grow
+            check_range(ids, where, id_limit)
+            self._state = grow_rows(self._state, int(ids.max()) // parts + 1)
+            found, unique, prev, mult, inverse, gaps, taken = run()
         # Distinct rows of steps step-d..step, from those of step-1-d..step-1: rows of
         # step-1-d not used again by step-1 leave, rows of this batch not among them join.
-        d = self.prefetch_distance
-        pin_start = self._start_of(step - d)
-        leaving = 0
-        if step - d - 1 >= 0:
-            old = self._window[step - d - 1 - self._window[0].step].unique
-            leaving = int(np.count_nonzero(self._last_occ[old] < pin_start))
-
-        positions = np.arange(self._head, self._head + len(ids))
-        previous = self._last_occ[ids]
-        self._last_occ[ids] = positions
-        is_rep = self._last_occ[ids] == positions  # exactly one position per distinct id wins
-        self._last_occ[ids] = previous  # leave no trace until push
-        unique_prev = previous[is_rep]
-        pinned = self._pinned_rows + int(np.count_nonzero(unique_prev < pin_start)) - leaving
-        if pinned > self.capacity:
-            raise ValueError(
-                f"step {step}: steps {max(step - d, 0)}..{step} use {pinned} distinct rows, "
-                f"which must be resident together (prefetch_distance={d}), but the cache "
-                f"has {self.capacity} slots; a capacity of at least {pinned} is needed"
-            )
-        return PreparedBatch(self, step, ids, ids[is_rep], positions[is_rep], unique_prev, pinned)
+        gaps = gaps.tolist()
+        pinned = self._pinned_rows + found - sum(gaps)
+        released = step - d - 1
+        if released >= 0:
+            first = self._window[0].step
+            window = self._window
+            reused = sum(window[q - first].gaps[q - released] for q in range(released + 1, step))
+            pinned -= len(window[released - first].unique) - reused
+        return PreparedBatch(self, step, ids, unique, prev, mult, inverse, gaps, pinned, taken)
 
     def push(self, batch: Any) -> CachePlan | None:
         """Let the next batch into the window; returns ``plan(step - L)`` once it is due.
@@ -222,10 +302,10 @@ class OracleCacher:
         of ``prepare`` for this very step.
         """
         prepared = batch if isinstance(batch, PreparedBatch) else self.prepare(batch)
-        if prepared.oracle is not self or prepared.step != self.steps_pushed:
+        if prepared.oracle is not self or prepared.step != self._steps_pushed:
             raise ValueError(
                 f"a batch prepared for step {prepared.step} cannot enter at step "
-                f"{self.steps_pushed} (or it was prepared by another oracle)"
+                f"{self._steps_pushed} (or it was prepared by another oracle)"
             )
         self._enter(prepared)
         if prepared.step - self.lookahead >= self._next_plan:
@@ -235,7 +315,7 @@ class OracleCacher:
     def finish(self) -> list[CachePlan]:
         """End of stream: plans for the steps still waiting, with shorter windows."""
         plans = []
-        while self._next_plan < self.steps_pushed:
+        while self._next_plan < self._steps_pushed:
             plans.append(self._emit())
         return plans
 
@@ -245,11 +325,11 @@ class OracleCacher:
         The rows stay resident: a write-back leaves the cache valid. The plan's
         ``step`` is the next step to be planned; it has no fetches.
         """
-        occupied = self._slots.occupied_ids()
+        occupied = self._state.slots[: self.num_resident, ROW].copy()
         return CachePlan(
             step=self._next_plan,
             slots=_EMPTY,
-            evict_ids=occupied.copy(),
+            evict_ids=occupied,
             evict_slots=np.arange(len(occupied)),
             fetch_ids=_EMPTY,
             fetch_slots=_EMPTY,
@@ -257,101 +337,55 @@ class OracleCacher:
 
     # ------------------------------------------------------------ internals
 
-    def _grow_rows(self, ids: np.ndarray) -> None:
-        if self.num_rows is None and ids.size:
-            needed = int(ids.max()) + 1
-            if needed > len(self._last_occ):
-                grown = np.full(max(needed, 2 * len(self._last_occ)), -1, dtype=np.int64)
-                grown[: len(self._last_occ)] = self._last_occ
-                self._last_occ = grown
-                self._slots.grow(len(grown))
-
     def _start_of(self, step: int) -> int:
-        """Global position where batch ``step`` starts (0 before the stream)."""
+        """Stream position where batch ``step`` starts (0 before the stream)."""
         if step <= 0 or not self._window:
             return 0
-        first = self._window[0].step
-        if step - first >= len(self._window):
+        if step >= self._steps_pushed:
             return self._head
-        return self._window[step - first].start
+        return self._window[step - self._window[0].step].start
 
     def _enter(self, batch: PreparedBatch) -> None:
-        step, ids = batch.step, batch.ids
-        self._last_occ[batch.unique] = batch.unique_pos
+        planned_from = self._start_of(self._next_plan)
+        self._state = grow_rings(
+            self._state,
+            steps=(self._next_plan, batch.step + 1),
+            positions=(planned_from, self._head + len(batch.unique)),
+        )
+        enter_batch(self._state, batch.step, batch.unique, batch.prev, self._head, planned_from)
+        entry = _WindowBatch(
+            batch.step, self._head, batch.unique, batch.mult, batch.inverse, batch.gaps
+        )
+        self._window.append(entry)
+        self._head += len(batch.unique)
+        self._steps_pushed += 1
         self._pinned_rows = batch.pinned_rows
-        # Record the occurrences; link earlier ones of the same rows still to be planned.
-        self._reserve_ring(len(ids))
-        ring = len(self._occ_next)
-        self._occ_next[np.arange(self._head, self._head + len(ids)) % ring] = _NEVER
-        linked = batch.unique_prev >= self._start_of(self._next_plan)
-        self._occ_next[batch.unique_prev[linked] % ring] = step
-        # Resident rows whose last planned use had no known successor: now it is this step.
-        slots = self._slots.slot_of_id[batch.unique]
-        slots = slots[slots >= 0]
-        self._next_use[slots] = np.minimum(self._next_use[slots], step)
-
-        self._window.append(_WindowBatch(step, ids, self._head, batch.unique, batch.unique_pos))
-        self._head += len(ids)
         self._trim_window()
 
-    def _reserve_ring(self, incoming: int) -> None:
-        """Grow the occurrence ring so every unplanned occurrence keeps its entry."""
-        live_from = self._start_of(self._next_plan)
-        needed = self._head + incoming - live_from
-        ring = len(self._occ_next)
-        if needed <= ring:
-            return
-        size = ring
-        while size < needed:
-            size *= 2
-        live = np.arange(live_from, self._head)
-        grown = np.full(size, _NEVER, dtype=np.int32)
-        grown[live % size] = self._occ_next[live % ring]
-        self._occ_next = grown
-
     def _trim_window(self) -> None:
-        """Drop batches neither unplanned nor needed for the pinned-row count."""
-        keep_from = min(self._next_plan, self.steps_pushed - self.prefetch_distance - 1)
+        """Drop batches no longer needed to plan, release rows, or count pinned rows."""
+        keep_from = min(self._next_plan, self._steps_pushed) - self.prefetch_distance - 1
         while self._window and self._window[0].step < keep_from:
             self._window.popleft()
 
     def _emit(self) -> CachePlan:
         s = self._next_plan
-        batch = self._window[s - self._window[0].step]
-        table = self._slots
-
-        slot_of_unique = table.slot_of_id[batch.unique]
-        fetch_ids = batch.unique[slot_of_unique < 0]
-        evictions = len(fetch_ids) - table.free
-        victims = _EMPTY
-        if evictions > 0:
-            occupied = table.num_resident
-            last_use = self._last_use[:occupied]
-            next_use = self._next_use[:occupied]
-            candidates = np.flatnonzero((last_use < s - self.prefetch_distance) & (next_use > s))
-            # Farthest next use first (no use in the window is farthest), then least
-            # recently used; largest_keys breaks remaining ties by smaller id.
-            keys = (next_use[candidates].astype(np.int64) << 32) - last_use[candidates]
-            chosen = largest_keys(keys, table.id_of_slot[candidates], evictions)
-            if len(chosen) < evictions:  # the pinned-row check on entry rules this out
-                raise AssertionError(
-                    f"step {s}: {len(candidates)} evictable rows, need {evictions}"
-                )
-            victims = np.sort(candidates[chosen])
-        evict_ids, fetch_slots = table.admit(fetch_ids, victims)
-
-        # The step is planned: its rows were used at s and are next used at their successor.
-        batch_slots = table.slot_of_id[batch.unique]
-        self._last_use[batch_slots] = s
-        self._next_use[batch_slots] = self._occ_next[batch.unique_pos % len(self._occ_next)]
-        self._next_plan += 1
-        plan = CachePlan(
-            step=s,
-            slots=table.slot_of_id[batch.ids].astype(np.int64),
-            evict_ids=evict_ids,
-            evict_slots=victims,
-            fetch_ids=fetch_ids,
-            fetch_slots=fetch_slots,
+        first = self._window[0].step
+        batch = self._window[s - first]
+        released_step = s - self.prefetch_distance - 1
+        released = self._window[released_step - first].slots if released_step >= 0 else _EMPTY
+        slots, evict_ids, evict_slots, fetch_ids, fetch_slots, batch.slots = emit_step(
+            self._state,
+            s,
+            batch.unique,
+            batch.inverse,
+            batch.mult,
+            batch.start,
+            released,
+            released_step,
+            self._steps_pushed - 1,
+            self._frequency,
         )
+        self._next_plan += 1
         self._trim_window()
-        return plan
+        return CachePlan(s, slots, evict_ids, evict_slots, fetch_ids, fetch_slots)

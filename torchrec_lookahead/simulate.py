@@ -9,9 +9,14 @@ a fast and a reference version of a policy make the same choices:
 * LFU: fewest uses so far (global counts over every occurrence, as FBGEMM's
   LFU cache keeps them), then least recently used, then smaller id.
 * Windowed oracle: the rule of :class:`~torchrec_lookahead.oracle.OracleCacher`
-  (no use in the window first, then farthest next use, then LRU, then id).
+  (no use in the window first, then farthest next use, then the tie-break:
+  ``"frequency"`` is LFU's order, ``"recency"`` LRU's).
 * MIN: the windowed oracle seeing the whole stream with no prefetch distance,
   i.e. Belady's MIN for batched access.
+
+The fast versions are all the oracle: with an empty window (``L=0, d=0``) no
+candidate has a visible next use, so only the tie-break orders them, and the
+oracle is batched LRU (``"recency"``) or LFU (``"frequency"``).
 
 The ``reference_*`` functions are short loops over Python sets, written to be
 checked by eye; tests hold the fast versions (and the oracle) to them. Note
@@ -21,14 +26,14 @@ associative, so its LRU / LFU miss more than these figures.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from torchrec_lookahead.oracle import OracleCacher, as_id_array
-from torchrec_lookahead.slots import SlotTable, largest_keys
+from torchrec_lookahead.oracle import TIE_BREAKS, OracleCacher
 
 __all__ = [
     "StepOutcome",
@@ -59,11 +64,24 @@ def _as_sets(batches: Sequence[Any]) -> list[set[int]]:
 
 
 def reference_windowed(
-    batches: Sequence[Any], capacity: int, lookahead: int, prefetch_distance: int
+    batches: Sequence[Any],
+    capacity: int,
+    lookahead: int,
+    prefetch_distance: int,
+    tie_break: str = "frequency",
 ) -> list[StepOutcome]:
-    """Windowed Belady with pinning, one step at a time (see module docstring)."""
+    """Windowed Belady with pinning, one step at a time (see module docstring).
+
+    ``tie_break`` orders candidates with the same next use (or none):
+    ``"frequency"`` by uses in the steps before (duplicates counted), then last
+    use, then id; ``"recency"`` by last use, then id.
+    """
+    if tie_break not in TIE_BREAKS:
+        raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
     steps = _as_sets(batches)
     last_use: dict[int, int] = {}  # resident row -> last step that used it
+    uses: Counter[int] = Counter()  # row -> occurrences in the steps planned so far
+    frequency = tie_break == "frequency"
     outcomes = []
     for s, rows in enumerate(steps):
         pinned = set().union(*steps[max(0, s - prefetch_distance) : s + 1])
@@ -78,20 +96,23 @@ def reference_windowed(
         shortfall = len(misses) - (capacity - len(last_use))
         candidates = sorted(
             (r for r in last_use if r not in pinned),
-            key=lambda r: (-next_use(r), last_use[r], r),
+            key=lambda r: (-next_use(r), uses[r] if frequency else 0, last_use[r], r),
         )
         evicted = candidates[: max(shortfall, 0)]
         for r in evicted:
             del last_use[r]
         for r in rows:
             last_use[r] = s
+        uses.update(int(i) for i in np.asarray(batches[s]).ravel())
         outcomes.append(StepOutcome(frozenset(misses), frozenset(evicted)))
     return outcomes
 
 
-def reference_min(batches: Sequence[Any], capacity: int) -> list[int]:
+def reference_min(
+    batches: Sequence[Any], capacity: int, tie_break: str = "frequency"
+) -> list[int]:
     """Belady's MIN for batched access: misses per step."""
-    outcomes = reference_windowed(batches, capacity, len(batches), 0)
+    outcomes = reference_windowed(batches, capacity, len(batches), 0, tie_break)
     return [len(o.fetched) for o in outcomes]
 
 
@@ -139,51 +160,28 @@ def oracle_misses(
     lookahead: int,
     prefetch_distance: int = 1,
     num_rows: int | None = None,
+    tie_break: str = "frequency",
 ) -> np.ndarray:
     """Misses per step of :class:`OracleCacher` on ``batches``."""
-    oracle = OracleCacher(capacity, lookahead, prefetch_distance, num_rows)
+    oracle = OracleCacher(capacity, lookahead, prefetch_distance, num_rows, tie_break=tie_break)
     return np.array([p.num_misses for p in oracle.plan(batches)], dtype=np.int64)
 
 
-def min_misses(batches: Sequence[Any], capacity: int, num_rows: int | None = None) -> np.ndarray:
+def min_misses(
+    batches: Sequence[Any],
+    capacity: int,
+    num_rows: int | None = None,
+    tie_break: str = "frequency",
+) -> np.ndarray:
     """Belady's MIN: the oracle seeing the whole stream, no prefetch distance."""
-    return oracle_misses(batches, capacity, len(batches), 0, num_rows)
+    return oracle_misses(batches, capacity, len(batches), 0, num_rows, tie_break)
 
 
 def lru_misses(batches: Sequence[Any], capacity: int, num_rows: int | None = None) -> np.ndarray:
-    """Batched LRU: the oracle with an empty window sees no next use, so it evicts by recency."""
-    return oracle_misses(batches, capacity, 0, 0, num_rows)
+    """Batched LRU: the oracle with an empty window and the recency tie-break."""
+    return oracle_misses(batches, capacity, 0, 0, num_rows, "recency")
 
 
 def lfu_misses(batches: Sequence[Any], capacity: int, num_rows: int | None = None) -> np.ndarray:
-    """Batched LFU with global counts, vectorised per step."""
-    table = SlotTable(capacity, num_rows)
-    counts = np.zeros(num_rows or 0, dtype=np.int64)
-    last_use = np.full(capacity, -1, dtype=np.int64)
-    misses = np.zeros(len(batches), dtype=np.int64)
-    for s, batch in enumerate(batches):
-        ids = as_id_array(batch, f"step {s}", num_rows)
-        unique, occurrences = np.unique(ids, return_counts=True)
-        if len(unique) > capacity:
-            raise ValueError(f"step {s}: {len(unique)} rows exceed capacity {capacity}")
-        if len(unique) and unique[-1] >= len(counts):
-            counts = np.concatenate(
-                [counts, np.zeros(2 * int(unique[-1]) + 1 - len(counts), np.int64)]
-            )
-            table.grow(len(counts))
-        counts[unique] += occurrences
-        slots = table.slot_of_id[unique]
-        last_use[slots[slots >= 0]] = s  # the step's resident rows are not candidates
-        fetch_ids = unique[slots < 0]
-        victims = np.empty(0, dtype=np.int64)
-        evictions = len(fetch_ids) - table.free
-        if evictions > 0:
-            candidates = np.flatnonzero(last_use[: table.num_resident] < s)
-            cand_ids = table.id_of_slot[candidates]
-            # Fewest uses first, then least recently used (largest key is evicted first).
-            keys = -(counts[cand_ids] << 32) - last_use[candidates]
-            victims = candidates[largest_keys(keys, cand_ids, evictions)]
-        _, fetch_slots = table.admit(fetch_ids, victims)
-        last_use[fetch_slots] = s
-        misses[s] = len(fetch_ids)
-    return misses
+    """Batched LFU (global counts): the oracle with an empty window, frequency tie-break."""
+    return oracle_misses(batches, capacity, 0, 0, num_rows, "frequency")

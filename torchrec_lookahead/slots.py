@@ -1,81 +1,110 @@
-"""Resident-set bookkeeping for one cached table: which row sits in which slot.
+"""The oracle's planning state: flat numpy arrays that the compiled kernels update in place.
 
-Shared by the lookahead oracle and the fast LRU / LFU simulators, which differ
-only in the priority they evict by.
+One :class:`OracleState` holds everything :mod:`torchrec_lookahead.oracle_kernels`
+reads and writes for one table: where each row is, what each resident row is
+waiting for, the groups and buckets of candidates, and the window's rings.
+It is a named tuple of arrays so that one argument carries it into numba.
+This module allocates and grows it; the kernels' module names the record
+fields and gives them their meaning.
+
+Slots fill in order and a slot is freed only to be refilled in the same plan,
+so the free slots are always the tail ``[resident, capacity)``.
+
+Memory: 16 bytes per table row, 104 bytes per cache slot, and 8 bytes per
+distinct id and 16 per step inside the window (rings of powers of two).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-__all__ = ["SlotTable", "largest_keys"]
+from torchrec_lookahead.oracle_kernels import NEVER, ROW_FIELDS, SLOT_FIELDS
+
+__all__ = ["GroupHeap", "OracleState", "grow_rings", "grow_rows", "new_state"]
 
 
-def largest_keys(keys: np.ndarray, ids: np.ndarray, count: int) -> np.ndarray:
-    """Positions of the ``count`` largest ``keys``; equal keys go to the smaller id.
+class GroupHeap(NamedTuple):
+    """Groups of candidates with no next use and equal key, in a heap by key; ids pooled."""
 
-    Linear time (``argpartition``), and deterministic, so that fast and
-    reference implementations of a policy choose the same victims.
-    """
-    n = len(keys)
-    if count >= n:
-        return np.arange(n)
-    if count <= 0:
-        return np.empty(0, dtype=np.int64)
-    threshold = keys[np.argpartition(keys, n - count)[n - count]]
-    above = np.flatnonzero(keys > threshold)
-    tied = np.flatnonzero(keys == threshold)
-    need = count - len(above)
-    if need < len(tied):
-        tied = tied[np.argpartition(ids[tied], need - 1)[:need]]
-    return np.concatenate([above, tied])
+    head: np.ndarray  # int64: first slot of each group, -1: none
+    heap: np.ndarray  # int64: live groups, a binary heap by key
+    pos: np.ndarray  # int64: a live group's index in ``heap``
+    free: np.ndarray  # int64: stack of unused group ids
+    counters: np.ndarray  # int64: [live groups, free group ids]
 
 
-class SlotTable:
-    """Maps row ids to the slots ``0..capacity-1`` of a cache.
+class OracleState(NamedTuple):
+    """All of one oracle's planning state (field meanings: ``oracle_kernels``)."""
 
-    Slots fill in order and a slot is freed only to be refilled in the same
-    plan, so the free slots are always the tail ``[num_resident, capacity)``.
-    The id -> slot map grows on demand when the table size is not given.
+    rows: np.ndarray  # int64 (table rows, ROW_FIELDS): one record per row
+    slots: np.ndarray  # int64 (capacity, SLOT_FIELDS): one record, one cache line, per slot
+    link_next: np.ndarray  # int64: next slot in the same group or bucket, -1: last
+    groups: GroupHeap
+    # per step of the window: a ring indexed by ``step & (size - 1)``
+    bucket_head: np.ndarray  # int64: first slot waiting for that step, -1: none
+    bucket_size: np.ndarray  # int64
+    # per distinct id of the window: a ring indexed by ``position & (size - 1)``
+    occ_next: np.ndarray  # int64: step of the id's next occurrence (NEVER: not yet seen)
+    counters: np.ndarray  # int64: [resident slots]
 
-    Memory: 4 bytes per table row plus 8 bytes per slot.
-    """
 
-    def __init__(self, capacity: int, num_rows: int | None = None) -> None:
-        self.capacity = capacity
-        self.num_resident = 0
-        self.slot_of_id = np.full(num_rows or 0, -1, dtype=np.int32)
-        self.id_of_slot = np.full(capacity, -1, dtype=np.int64)
+def new_state(capacity: int, num_rows: int) -> OracleState:
+    """An empty cache of ``capacity`` slots for ``num_rows`` rows (tables grow later)."""
+    return OracleState(
+        rows=np.full((num_rows, ROW_FIELDS), -1, dtype=np.int64),
+        slots=_aligned((capacity, SLOT_FIELDS), -1),
+        link_next=np.full(capacity, -1, dtype=np.int64),
+        groups=GroupHeap(
+            head=np.full(capacity, -1, dtype=np.int64),
+            heap=np.empty(capacity, dtype=np.int64),
+            pos=np.empty(capacity, dtype=np.int64),
+            free=np.arange(capacity, dtype=np.int64),
+            counters=np.array([0, capacity], dtype=np.int64),
+        ),
+        bucket_head=np.full(8, -1, dtype=np.int64),
+        bucket_size=np.zeros(8, dtype=np.int64),
+        occ_next=np.full(1024, NEVER, dtype=np.int64),
+        counters=np.zeros(1, dtype=np.int64),
+    )
 
-    def grow(self, num_rows: int) -> None:
-        """Make room for ids below ``num_rows`` (amortised doubling)."""
-        size = len(self.slot_of_id)
-        if num_rows > size:
-            grown = np.full(max(num_rows, 2 * size), -1, dtype=np.int32)
-            grown[:size] = self.slot_of_id
-            self.slot_of_id = grown
 
-    @property
-    def free(self) -> int:
-        return self.capacity - self.num_resident
+def grow_rows(state: OracleState, num_rows: int) -> OracleState:
+    """Room for row ids below ``num_rows`` (amortised doubling)."""
+    size = len(state.rows)
+    if num_rows <= size:
+        return state
+    rows = np.full((max(num_rows, 2 * size), ROW_FIELDS), -1, dtype=np.int64)
+    rows[:size] = state.rows
+    return state._replace(rows=rows)
 
-    def occupied_ids(self) -> np.ndarray:
-        """Row ids in slots ``0..num_resident-1`` (slot order)."""
-        return self.id_of_slot[: self.num_resident]
 
-    def admit(self, ids: np.ndarray, victim_slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Evict ``victim_slots`` and place the absent ``ids`` into free slots.
-
-        Fills the free tail first, then the victims' slots. Returns
-        ``(evict_ids, fetch_slots)``.
-        """
-        from_tail = len(ids) - len(victim_slots)
-        evict_ids = self.id_of_slot[victim_slots]
-        fetch_slots = np.concatenate(
-            [np.arange(self.num_resident, self.num_resident + from_tail), victim_slots]
+def grow_rings(
+    state: OracleState, steps: tuple[int, int], positions: tuple[int, int]
+) -> OracleState:
+    """Rings big enough for the live ``[first, end)`` ranges of steps and of positions."""
+    if steps[1] - steps[0] > len(state.bucket_head):
+        state = state._replace(
+            bucket_head=_grown_ring(state.bucket_head, *steps, -1),
+            bucket_size=_grown_ring(state.bucket_size, *steps, 0),
         )
-        self.slot_of_id[evict_ids] = -1
-        self.slot_of_id[ids] = fetch_slots
-        self.id_of_slot[fetch_slots] = ids
-        self.num_resident += from_tail
-        return evict_ids, fetch_slots
+    if positions[1] - positions[0] > len(state.occ_next):
+        state = state._replace(occ_next=_grown_ring(state.occ_next, *positions, NEVER))
+    return state
+
+
+def _grown_ring(ring: np.ndarray, first: int, end: int, fill: int) -> np.ndarray:
+    """A ring of the next power-of-two size for ``[first, end)``, with those entries moved."""
+    size = 1 << (end - first - 1).bit_length()
+    out = np.full(size, fill, dtype=ring.dtype)
+    live = np.arange(first, end)
+    out[live & (size - 1)] = ring[live & (len(ring) - 1)]
+    return out
+
+
+def _aligned(shape: tuple[int, int], fill: int) -> np.ndarray:
+    """An int64 array whose rows start on 64-byte cache-line boundaries."""
+    buffer = np.full(shape[0] * shape[1] + 8, fill, dtype=np.int64)
+    skip = (-buffer.ctypes.data % 64) // 8
+    return buffer[skip : skip + shape[0] * shape[1]].reshape(shape)

@@ -1,0 +1,157 @@
+"""PartitionedOracle: the contract per partition, K=1 as a bare oracle, refusals, the hash."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from contract import replay
+from hypothesis import given
+from hypothesis import strategies as st
+from test_oracle import tie_breaks, traces
+
+from torchrec_lookahead import CachePlan, OracleCacher
+from torchrec_lookahead.oracle_kernels import global_ids, split_of
+from torchrec_lookahead.partitioned import PartitionedOracle
+
+
+def share(plan: CachePlan, low: int, high: int) -> CachePlan:
+    """The part of a plan in slots ``low..high-1``, with slots counted from ``low``."""
+
+    def own(slots: np.ndarray) -> np.ndarray:
+        return (slots >= low) & (slots < high)
+
+    evicted, fetched = own(plan.evict_slots), own(plan.fetch_slots)
+    return CachePlan(
+        plan.step,
+        plan.slots[own(plan.slots)] - low,
+        plan.evict_ids[evicted],
+        plan.evict_slots[evicted] - low,
+        plan.fetch_ids[fetched],
+        plan.fetch_slots[fetched] - low,
+    )
+
+
+def replay_per_partition(batches, plans, flush, oracle: PartitionedOracle, d: int) -> None:
+    """The contract, checked with the shared replay on each partition's part of the plans.
+
+    A partition owns its slot range, so its rows are those whose slots fall in it; the
+    contract's rules hold for each partition on its own (in particular "evict only when
+    a slot is needed": a partition evicts when its own slots are full).
+    """
+    for low, high in zip(oracle.offsets[:-1], oracle.offsets[1:]):
+        own = [np.asarray(b)[(p.slots >= low) & (p.slots < high)] for b, p in zip(batches, plans)]
+        mine = [share(p, low, high) for p in plans]
+        replay(own, mine, share(flush, low, high), high - low, d)
+
+
+@given(traces(), st.integers(1, 4), tie_breaks)
+def test_partitioned_plans_meet_the_contract(trace, partitions, tie_break) -> None:
+    batches, num_rows, capacity, lookahead, d = trace
+    if partitions > capacity:
+        return
+    oracle = PartitionedOracle(
+        capacity, lookahead, d, num_rows, partitions=partitions, tie_break=tie_break
+    )
+    try:
+        plans = list(oracle.plan(batches))
+    except ValueError as error:
+        assert "a capacity of at least" in str(error)
+        return
+    replay_per_partition(batches, plans, oracle.flush(), oracle, d)
+
+
+@given(traces(), tie_breaks)
+def test_one_partition_is_the_unpartitioned_oracle(trace, tie_break) -> None:
+    batches, num_rows, capacity, lookahead, d = trace
+    one = PartitionedOracle(capacity, lookahead, d, num_rows, partitions=1, tie_break=tie_break)
+    bare = OracleCacher(capacity, lookahead, d, num_rows, tie_break=tie_break)
+    try:
+        bare_plans = list(bare.plan(batches))
+    except ValueError:
+        with pytest.raises(ValueError, match="a capacity of at least"):
+            list(one.plan(batches))
+        return
+    for got, want in zip(one.plan(batches), bare_plans, strict=True):
+        for field in ("slots", "evict_ids", "evict_slots", "fetch_ids", "fetch_slots"):
+            assert np.array_equal(getattr(got, field), getattr(want, field)), field
+    assert np.array_equal(one.flush().evict_ids, bare.flush().evict_ids)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (np.array([1, -3, 2]), "step 1: negative id -3"),
+        (np.array([1, 40]), "step 1: id 40 is out of range for a table of 12 rows"),
+        (np.arange(12), "partition [0-2] of 3, .* a capacity of at least"),
+    ],
+)
+def test_bad_batch_is_refused_before_any_partition_changes(bad, message) -> None:
+    rng = np.random.default_rng(0)
+    good = [rng.integers(0, 12, size=5) for _ in range(8)]
+
+    def oracle() -> PartitionedOracle:
+        return PartitionedOracle(capacity=9, lookahead=2, prefetch_distance=0, num_rows=12,
+                                 partitions=3)  # fmt: skip
+
+    partitioned = oracle()
+    plans = [p for p in [partitioned.push(good[0])] if p is not None]
+    with pytest.raises(ValueError, match=message):
+        partitioned.push(bad)
+    for batch in good[1:]:
+        plans += [p for p in [partitioned.push(batch)] if p is not None]
+    plans += partitioned.finish()
+    replay_per_partition(good, plans, partitioned.flush(), partitioned, 0)
+    for got, want in zip(plans, oracle().plan(good), strict=True):
+        assert np.array_equal(got.slots, want.slots)
+        assert np.array_equal(got.fetch_ids, want.fetch_ids)
+        assert np.array_equal(got.evict_ids, want.evict_ids)
+
+
+def test_the_capacity_named_in_a_refusal_is_the_least_that_works() -> None:
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 60, size=12) for _ in range(6)]
+
+    def refused_at(capacity: int) -> tuple[int, int] | None:
+        oracle = PartitionedOracle(capacity, 2, 1, 60, partitions=3)
+        try:
+            for batch in batches:
+                oracle.push(batch)
+        except ValueError as error:
+            found = re.search(r"step (\d+):.*at least (\d+)", str(error))
+            return int(found[1]), int(found[2])
+        return None
+
+    step, needed = refused_at(3)
+    assert refused_at(needed) is None or refused_at(needed)[0] > step
+    assert refused_at(needed - 1)[0] == step
+
+
+@pytest.mark.parametrize("partitions", [2, 3, 4])
+def test_the_hash_spreads_consecutive_ids_and_keeps_local_rows_dense(partitions) -> None:
+    ids = np.arange(partitions * 1000)
+    owner = np.array([split_of(i, partitions) for i in ids])
+    for p in range(partitions):
+        mine = ids[owner == p]
+        assert len(mine) == 1000  # every run of `partitions` ids spreads over all of them
+        assert np.array_equal(np.sort(mine // partitions), np.arange(1000))
+        assert np.array_equal(global_ids(mine // partitions, p, partitions), mine)
+    assert len({tuple(owner[b : b + partitions]) for b in range(0, 40, partitions)}) > 1
+
+
+def test_batches_and_plans_are_in_table_ids_and_batch_order() -> None:
+    rng = np.random.default_rng(2)
+    batches = [rng.integers(0, 10_000, size=300) for _ in range(10)]
+    oracle = PartitionedOracle(2000, 3, 1, partitions=2)  # table size unknown: tables grow
+    prepared = oracle.prepare(batches[0])
+    assert sorted(prepared.unique.tolist()) == sorted(set(batches[0].tolist()))
+    plans = [p for b in [prepared, *batches[1:]] if (p := oracle.push(b)) is not None]
+    plans += oracle.finish()
+    replay_per_partition(batches, plans, oracle.flush(), oracle, 1)
+    assert oracle.num_resident == len(oracle.flush().evict_ids) <= 2000
+
+
+def test_partitions_must_each_get_a_slot() -> None:
+    with pytest.raises(ValueError, match="partitions"):
+        PartitionedOracle(3, 1, partitions=4)
