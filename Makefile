@@ -32,7 +32,10 @@ bench: install
 	$(PY) benchmarks/step_time.py --out results/step_time
 	$(PY) benchmarks/step_time.py --out results/step_time_large --scale 0.1 --cache-load-factor 0.02
 	$(PY) benchmarks/step_time.py --out results/step_time_ws1 --world-size 1
+	$(PY) benchmarks/step_time.py --out results/step_time_ws1_large --world-size 1 --scale 0.1 --cache-load-factor 0.02
 	$(PY) benchmarks/step_time.py --out results/step_time_ws2 --world-size 2
+	$(PY) benchmarks/step_time.py --out results/step_time_ws2_large --world-size 2 --scale 0.1 --cache-load-factor 0.02
+	$(PY) benchmarks/step_time.py --out results/step_time_ws2_small_batch --world-size 2 --batch-size 256
 	$(PY) benchmarks/planner.py --out results/planner
 	$(PY) benchmarks/planner.py --out results/planner100 --sample-batches 100
 

@@ -138,14 +138,17 @@ def train_reference(twin: TwoModuleModel, data: list[Batch]) -> list[torch.Tenso
     return outputs
 
 
-def train_lookahead(model: TwoModuleModel, data, lookahead: int, prefetch_distance: int):
+def train_lookahead(
+    model: TwoModuleModel, data, lookahead: int, prefetch_distance: int, planning_workers: int = 1
+):
     """Train through LookaheadTrainPipeline; returns (each step's logits, pipeline)."""
     from torchrec_lookahead import LookaheadTrainPipeline
 
     dense = torch.optim.SGD(model.over.parameters(), lr=DENSE_LR)
     pipeline = LookaheadTrainPipeline(
-        model, dense, torch.device("cpu"), lookahead=lookahead, prefetch_distance=prefetch_distance
-    )
+        model, dense, torch.device("cpu"), lookahead=lookahead,
+        prefetch_distance=prefetch_distance, planning_workers=planning_workers,
+    )  # fmt: skip
     outputs, it = [], iter(data)
     while True:
         try:

@@ -25,11 +25,13 @@ STEPS = 120
 DATA = batches(STEPS)
 
 
-def check_against_reference(optimizer: str, lookahead: int, d: int, **cache: object):
+def check_against_reference(
+    optimizer: str, lookahead: int, d: int, planning_workers: int = 1, **cache: object
+):
     model = lookahead_model(optimizer, **cache)
     twin = reference_twin(model, optimizer)
     expected = train_reference(twin, DATA)
-    outputs, pipeline = train_lookahead(model, DATA, lookahead, d)
+    outputs, pipeline = train_lookahead(model, DATA, lookahead, d, planning_workers)
     assert len(outputs) == STEPS
     for step, (got, want) in enumerate(zip(outputs, expected)):
         assert torch.equal(got, want), f"step {step} output differs"
@@ -45,6 +47,12 @@ def test_small_cache_matches_all_resident_training(optimizer, lookahead, prefetc
         optimizer, lookahead, prefetch_distance, cache_load_factor=0.1
     )
     assert metrics.rows_written_back > 0 and metrics.misses < metrics.unique_ids
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_two_planning_workers_match_all_resident_training(optimizer) -> None:
+    metrics = check_against_reference(optimizer, 8, 1, planning_workers=2, cache_load_factor=0.1)
+    assert metrics.rows_written_back > 0
 
 
 def test_cache_holding_every_row_never_evicts() -> None:

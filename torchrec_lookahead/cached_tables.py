@@ -28,11 +28,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead.cache import CacheTable
 from torchrec_lookahead.ids import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.oracle import CachePlan, OracleCacher, PreparedBatch
+from torchrec_lookahead.oracle import CachePlan, CachePlanner, OracleCacher
+from torchrec_lookahead.partitioned import PartitionedOracle
 from torchrec_lookahead.pools import slot_pools
 from torchrec_lookahead.store import HostStore
 
-__all__ = ["CacheSizing", "CachedTables", "PreparedStep", "StepMoves"]
+__all__ = ["CacheSizing", "CachedTables", "PreparedStep", "StepMoves", "Window"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +69,22 @@ class CacheSizing:
 
 
 @dataclass(frozen=True)
+class Window:
+    """The pipeline's window: ``lookahead`` (L), ``prefetch_distance`` (d), and how many
+    hash partitions (threads) plan each pool (see :mod:`~torchrec_lookahead.partitioned`)."""
+
+    lookahead: int
+    prefetch_distance: int
+    planning_workers: int = 1
+
+
+@dataclass(frozen=True)
 class PreparedStep:
     """A batch checked by :meth:`CachedTables.prepare`, ready to ``enter``."""
 
     step: int
     lookups: np.ndarray  # ids per table
-    batches: list[PreparedBatch]  # per pool
+    batches: list[Any]  # per pool: what its planner's prepare returned
     positions: list[np.ndarray] | None  # per pool, where its ids sit in the batch (None: 1 pool)
 
 
@@ -122,8 +133,8 @@ class CachedTables:
         self._feature_rows = np.asarray(self.num_rows, dtype=np.int64)[tables]
         self._feature_pool = pool_of_table[tables]
         self._feature_offset = offset_of_table[tables]
-        self._window = (1, 1)  # (lookahead, prefetch distance), set by attach
-        self._oracles: list[OracleCacher] | None = None  # built at the window's first batch
+        self._window = Window(1, 1)  # set by attach
+        self._oracles: list[CachePlanner] | None = None  # built at the window's first batch
         self._entered = 0
         self._positions: dict[int, list[np.ndarray] | None] = {}  # step -> PreparedStep.positions
         self._slots: dict[int, torch.Tensor] = {}  # step -> slots of that step's ids
@@ -148,11 +159,11 @@ class CachedTables:
             for t in range(len(self.names))
         ]
 
-    def attach(self, lookahead: int, prefetch_distance: int) -> None:
+    def attach(self, window: Window) -> None:
         """Start a new window: the cache written back and emptied; oracles at the first batch."""
         self.write_back()
         self.cache.clear()
-        self._window = (lookahead, prefetch_distance)
+        self._window = window
         self._oracles = None
         self._entered = 0
         self._positions.clear()
@@ -246,7 +257,7 @@ class CachedTables:
         ids touch at most ``d + 1`` times that many rows (a bound for batches of
         a fixed shape; batches with more ids may still need more).
         """
-        lookahead, d = self._window
+        d = self._window.prefetch_distance
         self.table_slots = list(self._shares)
         for t, count in enumerate(lookups):
             needed = min(self.num_rows[t], (d + 1) * int(count))
@@ -261,10 +272,15 @@ class CachedTables:
         self._row_bytes = np.array([store.bytes_per_row(t) for t in range(len(self.names))])
         if self._pool_slots() != self.cache.slots:
             self.cache.resize(self._pool_slots())
-        self._oracles = [
-            OracleCacher(slots, lookahead, d, num_rows=pool.num_rows)
-            for slots, pool in zip(self.cache.slots, self.pools)
-        ]
+        self._oracles = [self._planner(slots, pool.num_rows) for slots, pool in
+                         zip(self.cache.slots, self.pools)]  # fmt: skip
+
+    def _planner(self, slots: int, num_rows: int) -> CachePlanner:
+        w = self._window
+        if w.planning_workers == 1 or slots < 2:
+            return OracleCacher(slots, w.lookahead, w.prefetch_distance, num_rows=num_rows)
+        return PartitionedOracle(slots, w.lookahead, w.prefetch_distance, num_rows=num_rows,
+                                 partitions=min(w.planning_workers, slots))  # fmt: skip
 
     def _planned(self, plans: list[CachePlan | None]) -> tuple[int, StepMoves] | None:
         if not plans or plans[0] is None:

@@ -12,7 +12,13 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, PreparedStep, StepMoves
+from torchrec_lookahead.cached_tables import (
+    CachedTables,
+    CacheSizing,
+    PreparedStep,
+    StepMoves,
+    Window,
+)
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store import HostStore
 
@@ -146,13 +152,13 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         """Counters per table name."""
         return {t.name: m for t, m in zip(self._embedding_bag_configs, self.metrics)}
 
-    def attach(self, lookahead: int, prefetch_distance: int) -> None:
+    def attach(self, window: Window) -> None:
         """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""
         if self._device.type == "meta":
             raise ValueError("a module on the meta device must be sharded (DMP) before training")
         if self._cached is None:
             self._cached = self._build_cache()
-        self._cached.attach(lookahead, prefetch_distance)
+        self._cached.attach(window)
 
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """This module's features of ``features``, in lookup order."""

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
-from torchrec_lookahead.cached_tables import StepMoves
+from torchrec_lookahead.cached_tables import StepMoves, Window
 from torchrec_lookahead.executor import PlanExecutor
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
@@ -38,6 +38,10 @@ class LookaheadTrainPipeline(TrainPipeline):
     (as TorchRec's models do): the stage distributes it when the batch enters the
     window, and the step's forward uses that distributed input.
 
+    ``planning_workers > 1`` plans each slot pool as that many hash partitions on
+    as many threads (:class:`~torchrec_lookahead.partitioned.PartitionedOracle`):
+    worth it only with cores to spare; plans stay exact, misses change little.
+
     The first ``progress`` binds the data iterator; the stage reads it until it
     ends. A batch that cannot be planned (unknown feature, bad id, a window that
     does not fit a cache) makes ``progress`` raise ``ValueError`` naming the
@@ -54,12 +58,15 @@ class LookaheadTrainPipeline(TrainPipeline):
         device: torch.device,
         lookahead: int = 16,
         prefetch_distance: int = 1,
+        planning_workers: int = 1,
     ) -> None:
         super().__init__()
         if lookahead < 1:
             raise ValueError(f"lookahead must be at least 1, got {lookahead}")
         if prefetch_distance < 0:
             raise ValueError(f"prefetch_distance must be >= 0, got {prefetch_distance}")
+        if planning_workers < 1:
+            raise ValueError(f"planning_workers must be at least 1, got {planning_workers}")
         self._model = model
         self._optimizer = optimizer
         self._device = device
@@ -69,8 +76,9 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._cached = [m for m in model.modules() if isinstance(m, lookahead_types)]
         if not self._cached:
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
+        window = Window(lookahead, prefetch_distance, planning_workers)
         for module in self._cached:
-            module.attach(lookahead, prefetch_distance)
+            module.attach(window)
         self._stage = LookaheadStage(self._cached, _declared_features(model), device)
         self._window: deque[Any] = deque()  # batches entered, not yet run
         self._moves: dict[int, StepMoves] = {}  # moves of planned steps not yet issued

@@ -41,7 +41,7 @@ from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves
+from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves, Window
 from torchrec_lookahead.ids import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
@@ -249,13 +249,13 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 module._pg = self._stage_pg
         self._stage_input_dists = dists
 
-    def attach(self, lookahead: int, prefetch_distance: int) -> None:
+    def attach(self, window: Window) -> None:
         if self._stage_pg is None:  # a collective: every rank attaches in the same order
             ranks = dist.get_process_group_ranks(self._env.process_group)
             self._stage_pg = dist.new_group(ranks=ranks)
             self._bind_stage_input_dists()
         for group in self.cached_groups:
-            group.attach(lookahead, prefetch_distance)
+            group.attach(window)
         self._window_inputs.clear()
         self._entered = 0
 
