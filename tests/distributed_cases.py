@@ -46,6 +46,7 @@ class Case:
     lookahead: int
     steps: int = 100
     cache_load_factor: float = 0.2
+    stage_thread: bool = True  # the lookahead stage on its own thread, or inline
 
 
 def tables() -> list[EmbeddingBagConfig]:
@@ -126,7 +127,8 @@ def check(case: Case, rank: int, world_size: int) -> None:
     look.load_state_dict(base.state_dict())  # a plain TorchRec checkpoint
 
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
-    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=case.lookahead)
+    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=case.lookahead,
+                                      stage_thread=case.stage_thread)  # fmt: skip
     got = train(pipeline, batches)
     assert len(got) == len(expected) == case.steps
     for step, (a, b) in enumerate(zip(expected, got)):
@@ -226,7 +228,8 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
     base_pipeline = TrainPipelineSparseDist(base, base_opt, torch.device("cpu"))
     expected = train(base_pipeline, batches)
     base_pipeline.detach()  # restore the forward TorchRec's pipeline rewrote
-    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8)
+    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8,
+                                      stage_thread=True)  # fmt: skip
     it, got, errors = iter(batches[:5] + [extra] + batches[5:]), [], []
     probe = criteo_batch(data, 2000, BATCH)
     while True:
@@ -317,7 +320,8 @@ def check_planned(rank: int, world_size: int) -> None:
             assert slots == min(rows, want), (name, slots, want)
     look.load_state_dict(base.state_dict())
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
-    got = train(LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8), batches)
+    got = train(LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8,
+                                       stage_thread=True), batches)  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert_equal_states(base.state_dict(), look.state_dict(), "planned weights")
     assert_equal_states(base_opt.state_dict()["state"], look_opt.state_dict()["state"], "optim")

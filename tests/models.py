@@ -139,15 +139,22 @@ def train_reference(twin: TwoModuleModel, data: list[Batch]) -> list[torch.Tenso
 
 
 def train_lookahead(
-    model: TwoModuleModel, data, lookahead: int, prefetch_distance: int, planning_workers: int = 1
+    model: TwoModuleModel,
+    data,
+    lookahead: int,
+    prefetch_distance: int,
+    planning_workers: int = 1,
+    stage_thread: bool = True,
 ):
-    """Train through LookaheadTrainPipeline; returns (each step's logits, pipeline)."""
+    """Train through LookaheadTrainPipeline (by default with the stage on its own thread,
+    whatever the machine); returns (each step's logits, pipeline)."""
     from torchrec_lookahead import LookaheadTrainPipeline
 
     dense = torch.optim.SGD(model.over.parameters(), lr=DENSE_LR)
     pipeline = LookaheadTrainPipeline(
         model, dense, torch.device("cpu"), lookahead=lookahead,
         prefetch_distance=prefetch_distance, planning_workers=planning_workers,
+        stage_thread=stage_thread,
     )  # fmt: skip
     outputs, it = [], iter(data)
     while True:

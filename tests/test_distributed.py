@@ -24,8 +24,8 @@ def spawn(world_size: int, cases: list[Case]) -> None:
 def test_canonical_use_matches_plain_torchrec(world_size: int, sharding_type: str) -> None:
     spawn(
         world_size,
-        [Case(sharding_type, optimizer, lookahead) for optimizer in OPTIMIZERS
-         for lookahead in (1, 16)],
+        [Case(sharding_type, optimizer, lookahead, stage_thread=lookahead > 1)
+         for optimizer in OPTIMIZERS for lookahead in (1, 16)],
     )  # fmt: skip
 
 

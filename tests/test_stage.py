@@ -1,7 +1,9 @@
-"""The lookahead stage: planning off the trainer thread, errors with their step, no threads left."""
+"""The lookahead stage, threaded and inline: where planning runs, errors with their step, no
+threads left behind."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -20,9 +22,10 @@ DATA = batches(30)
 THREADS = ("lookahead-stage", "lookahead-executor")
 
 
-def pipeline_for(model, lookahead: int = 4) -> LookaheadTrainPipeline:
+def pipeline_for(model, lookahead: int = 4, threaded: bool | None = True) -> LookaheadTrainPipeline:
     dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
-    return LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=lookahead)
+    return LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=lookahead,
+                                  stage_thread=threaded)  # fmt: skip
 
 
 @pytest.fixture
@@ -33,7 +36,8 @@ def live_threads():
     return lambda: [t.name for t in threading.enumerate() if t.name in THREADS and t not in before]
 
 
-def test_batches_are_planned_on_the_stage_thread_not_the_trainer(live_threads) -> None:
+@pytest.mark.parametrize("threaded", [True, False])
+def test_batches_are_planned_on_the_stage_thread_or_inline(live_threads, threaded) -> None:
     model = lookahead_model("sgd", cache_load_factor=0.1)
     planned_on = set()
     prepare = model.unweighted.prepare
@@ -43,18 +47,19 @@ def test_batches_are_planned_on_the_stage_thread_not_the_trainer(live_threads) -
         return prepare(features)
 
     model.unweighted.prepare = spy
-    pipeline, it = pipeline_for(model), iter(DATA)
+    pipeline, it = pipeline_for(model, threaded=threaded), iter(DATA)
     for _ in range(5):
         pipeline.progress(it)
-    assert planned_on == {"lookahead-stage"}
+    assert planned_on == {"lookahead-stage" if threaded else threading.main_thread().name}
     pipeline.close()
     assert live_threads() == []
 
 
-def test_end_of_data_leaves_no_thread_behind(live_threads) -> None:
+@pytest.mark.parametrize("threaded", [True, False])
+def test_end_of_data_leaves_no_thread_behind(live_threads, threaded) -> None:
     model = lookahead_model("adagrad", cache_load_factor=0.1)
     twin = reference_twin(model, "adagrad")
-    pipeline, it, outputs = pipeline_for(model), iter(DATA), []
+    pipeline, it, outputs = pipeline_for(model, threaded=threaded), iter(DATA), []
     while True:
         try:
             outputs.append(pipeline.progress(it))
@@ -65,13 +70,14 @@ def test_end_of_data_leaves_no_thread_behind(live_threads) -> None:
     assert_same_training_state(model, twin)
 
 
-def test_a_loader_error_reaches_the_trainer_with_its_step(live_threads) -> None:
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_loader_error_reaches_the_trainer_with_its_step(live_threads, threaded) -> None:
     def loader():
         yield from DATA[:12]
         raise OSError("disk gone")
 
     model = lookahead_model("sgd", cache_load_factor=0.1)
-    pipeline, it, steps = pipeline_for(model, lookahead=4), loader(), 0
+    pipeline, it, steps = pipeline_for(model, 4, threaded), loader(), 0
     with pytest.raises(RuntimeError, match=r"failed reading the batch of step 12: OSError") as info:
         while True:
             pipeline.progress(it)
@@ -81,7 +87,8 @@ def test_a_loader_error_reaches_the_trainer_with_its_step(live_threads) -> None:
     assert live_threads() == []
 
 
-def test_an_error_inside_the_planner_reaches_the_trainer_with_its_step(live_threads) -> None:
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_planning_error_reaches_the_trainer_with_its_step(live_threads, threaded) -> None:
     model = lookahead_model("sgd", cache_load_factor=0.1)
     enter = model.weighted.enter
 
@@ -91,14 +98,15 @@ def test_an_error_inside_the_planner_reaches_the_trainer_with_its_step(live_thre
         return enter(prepared)
 
     model.weighted.enter = failing
-    pipeline, it = pipeline_for(model), iter(DATA)
+    pipeline, it = pipeline_for(model, threaded=threaded), iter(DATA)
     with pytest.raises(RuntimeError, match=r"failed planning the batch of step 9: MemoryError"):
         while True:
             pipeline.progress(it)
     assert live_threads() == []
 
 
-def test_ctrl_c_during_a_step_stops_every_thread(live_threads) -> None:
+@pytest.mark.parametrize("threaded", [True, False])
+def test_ctrl_c_during_a_step_stops_every_thread(live_threads, threaded) -> None:
     model = lookahead_model("sgd", cache_load_factor=0.1)
     forward, calls = model.forward, []
 
@@ -109,11 +117,27 @@ def test_ctrl_c_during_a_step_stops_every_thread(live_threads) -> None:
         return forward(batch)
 
     model.forward = interrupted
-    pipeline, it = pipeline_for(model), iter(DATA)
+    pipeline, it = pipeline_for(model, threaded=threaded), iter(DATA)
     with pytest.raises(KeyboardInterrupt):
         while True:
             pipeline.progress(it)
     assert live_threads() == []
+
+
+def test_the_default_takes_a_thread_only_with_a_core_to_spare() -> None:
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+
+    def threaded(torch_threads: int) -> bool:
+        torch.set_num_threads(torch_threads)
+        with pipeline_for(model, threaded=None) as pipeline:
+            return pipeline._stage.threaded
+
+    before = torch.get_num_threads()
+    try:
+        assert not threaded(os.cpu_count())
+        assert threaded(max(1, os.cpu_count() - 1)) == (os.cpu_count() > 1)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_context_manager_closes_a_pipeline_left_mid_data(live_threads) -> None:

@@ -85,7 +85,7 @@ class PreparedStep:
     step: int
     lookups: np.ndarray  # ids per table
     batches: list[Any]  # per pool: what its planner's prepare returned
-    positions: list[np.ndarray] | None  # per pool, where its ids sit in the batch (None: 1 pool)
+    positions: list[slice | np.ndarray] | None  # per pool, where its ids sit (None: 1 pool)
 
 
 class CachedTables:
@@ -130,13 +130,20 @@ class CachedTables:
             pool_of_table[list(pool.tables)] = p
             offset_of_table[list(pool.tables)] = pool.offsets[:-1]
         self._feature_table = tables
+        # Table t's place when per-pool counts are concatenated pool by pool.
+        self._table_order = np.argsort(np.concatenate([p.tables for p in self.pools]))
         self._feature_rows = np.asarray(self.num_rows, dtype=np.int64)[tables]
         self._feature_pool = pool_of_table[tables]
         self._feature_offset = offset_of_table[tables]
+        self._offset_ids = bool(self._feature_offset.any())
+        # Each pool's features in lookup order; a table's features are consecutive, so a
+        # pool of one table (or of every table) reads one slice of the batch.
+        self._pool_features = [np.flatnonzero(self._feature_pool == p)
+                               for p in range(len(self.pools))]  # fmt: skip
         self._window = Window(1, 1)  # set by attach
         self._oracles: list[CachePlanner] | None = None  # built at the window's first batch
         self._entered = 0
-        self._positions: dict[int, list[np.ndarray] | None] = {}  # step -> PreparedStep.positions
+        self._positions: dict[int, list[slice | np.ndarray] | None] = {}  # PreparedStep.positions
         self._slots: dict[int, torch.Tensor] = {}  # step -> slots of that step's ids
         self._running: torch.Tensor | None = None  # slots of the step being run
         self._dirty = False  # cache rows updated since the last write-back
@@ -182,12 +189,12 @@ class CachedTables:
         values = features.values().cpu().numpy()
         lengths = features.length_per_key()
         check_feature_ids(values, lengths, features.keys(), self._feature_rows, f"step {step}")
-        ids = values + np.repeat(self._feature_offset, lengths)
+        ids = values + np.repeat(self._feature_offset, lengths) if self._offset_ids else values
         positions = None
         per_pool = [ids]
         if len(self.pools) > 1:
-            pool_of_value = np.repeat(self._feature_pool, lengths)
-            positions = [np.flatnonzero(pool_of_value == p) for p in range(len(self.pools))]
+            edges = np.concatenate([[0], np.cumsum(lengths)])
+            positions = [_positions(edges, features) for features in self._pool_features]
             per_pool = [ids[where] for where in positions]
         lookups = np.bincount(self._feature_table, weights=lengths, minlength=len(self.names))
         lookups = lookups.astype(np.int64)
@@ -201,9 +208,9 @@ class CachedTables:
         if prepared.step != self._entered:
             raise ValueError(f"a batch prepared for step {prepared.step} cannot enter at "
                              f"step {self._entered}")  # fmt: skip
-        distinct = np.zeros(len(self.names), dtype=np.int64)
-        for pool, batch in zip(self.pools, prepared.batches):
-            distinct[list(pool.tables)] = pool.table_counts(batch.unique)
+        distinct = np.concatenate([pool.table_counts(batch.unique)
+                                   for pool, batch in zip(self.pools, prepared.batches)])
+        distinct = distinct[self._table_order]
         self._counts["lookups"] += prepared.lookups
         self._counts["unique_ids"] += distinct
         self.step_counts[prepared.step] = (distinct, np.zeros_like(distinct))
@@ -290,26 +297,31 @@ class CachedTables:
         if positions is None:
             slots = plans[0].slots
         else:
-            slots = np.empty(sum(len(p) for p in positions), dtype=np.int64)
+            slots = np.empty(sum(len(plan.slots) for plan in plans), dtype=np.int64)
             for where, plan in zip(positions, plans):
                 slots[where] = plan.slots
         self._slots[step] = torch.from_numpy(slots).to(self.cache.device)
-        misses = self.step_counts[step][1]
-        moves = []
-        for p, (pool, plan) in enumerate(zip(self.pools, plans)):
-            tables = list(pool.tables)
-            fetched = pool.table_counts(plan.fetch_ids)
-            evicted = pool.table_counts(plan.evict_ids)
-            misses[tables] = fetched
-            row_bytes = self._row_bytes[tables]
-            self._counts["misses"][tables] += fetched
-            self._counts["rows_fetched"][tables] += fetched
-            self._counts["rows_written_back"][tables] += evicted
-            self._counts["bytes_moved"][tables] += (fetched + evicted) * row_bytes
-            if len(plan.fetch_ids) or len(plan.evict_ids):
-                moves.append(partial(self.cache.apply, p, plan))
+        order = self._table_order
+        fetched = np.concatenate([pool.table_counts(plan.fetch_ids)
+                                  for pool, plan in zip(self.pools, plans)])[order]  # fmt: skip
+        evicted = np.concatenate([pool.table_counts(plan.evict_ids)
+                                  for pool, plan in zip(self.pools, plans)])[order]  # fmt: skip
+        self.step_counts[step][1][:] = fetched
+        self._counts["misses"] += fetched
+        self._counts["rows_fetched"] += fetched
+        self._counts["rows_written_back"] += evicted
+        self._counts["bytes_moved"] += (fetched + evicted) * self._row_bytes
+        moves = [partial(self.cache.apply, p, plan) for p, plan in enumerate(plans)
+                 if len(plan.fetch_ids) or len(plan.evict_ids)]  # fmt: skip
         self._steps += 1
         return step, moves
 
 
 _COUNTERS = ("lookups", "unique_ids", "misses", "rows_fetched", "rows_written_back", "bytes_moved")
+
+
+def _positions(edges: np.ndarray, features: np.ndarray) -> slice | np.ndarray:
+    """Where ``features`` (consecutive or not) sit among a batch's ids."""
+    if features[-1] - features[0] + 1 == len(features):
+        return slice(int(edges[features[0]]), int(edges[features[-1] + 1]))
+    return np.concatenate([np.arange(edges[f], edges[f + 1]) for f in features])

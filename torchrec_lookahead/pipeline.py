@@ -42,6 +42,10 @@ class LookaheadTrainPipeline(TrainPipeline):
     as many threads (:class:`~torchrec_lookahead.partitioned.PartitionedOracle`):
     worth it only with cores to spare; plans stay exact, misses change little.
 
+    ``stage_thread`` runs the stage on its own thread (``True``) or inline on the
+    trainer's (``False``); the default takes the thread only when the machine
+    has a core beyond torch's intra-op threads (see :mod:`~torchrec_lookahead.stage`).
+
     The first ``progress`` binds the data iterator; the stage reads it until it
     ends. A batch that cannot be planned (unknown feature, bad id, a window that
     does not fit a cache) makes ``progress`` raise ``ValueError`` naming the
@@ -59,6 +63,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         lookahead: int = 16,
         prefetch_distance: int = 1,
         planning_workers: int = 1,
+        stage_thread: bool | None = None,
     ) -> None:
         super().__init__()
         if lookahead < 1:
@@ -79,7 +84,8 @@ class LookaheadTrainPipeline(TrainPipeline):
         window = Window(lookahead, prefetch_distance, planning_workers)
         for module in self._cached:
             module.attach(window)
-        self._stage = LookaheadStage(self._cached, _declared_features(model), device)
+        self._stage = LookaheadStage(self._cached, _declared_features(model), device,
+                                     threaded=stage_thread)  # fmt: skip
         self._window: deque[Any] = deque()  # batches entered, not yet run
         self._moves: dict[int, StepMoves] = {}  # moves of planned steps not yet issued
         self._entered = 0  # batches that entered the window

@@ -56,6 +56,8 @@ class SlotPool:
 
     def table_counts(self, ids: np.ndarray) -> np.ndarray:
         """How many of ``ids`` fall in each table of the pool."""
+        if len(self.tables) == 1:
+            return np.array([len(ids)])
         local = np.searchsorted(self.offsets, ids, side="right") - 1
         return np.bincount(local, minlength=len(self.tables))
 

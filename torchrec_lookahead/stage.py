@@ -1,6 +1,7 @@
 """The lookahead stage: reads batches ahead, distributes and plans them off the trainer thread.
 
-One background thread takes batches from the data loader, moves them to the
+A background thread (or, without a core to spare, the trainer itself when it
+asks for the next batch) takes batches from the data loader, moves them to the
 device, lets every lookahead module ``prepare`` them (under DMP: the id
 check, ``input_dist`` and the vote on bad batches, on a process group of the
 stage's own) and ``enter`` them, and queues each batch with the moves of the
@@ -12,10 +13,18 @@ A batch that a module refuses (``ValueError``) changes nothing and is queued
 as that error, in its place; any other error ends the stage and is queued
 with the batch it happened at. ``close`` stops the thread, also while it
 waits on a full queue.
+
+The thread pays off only with a core to spare: on this project's 2-core CPU
+machine, with the trainer's two compute threads busy, a planning thread made
+each step's compute 40-80% slower (benchmarks/step_time.py), far more than
+the ~1.4 ms of planning it moved off the critical path. So by default the
+stage runs on a thread only when the machine has more cores than torch's
+intra-op threads, and inline otherwise.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -48,6 +57,8 @@ class LookaheadStage:
         known_features: every feature some embedding module of the model looks up.
         device: where batches go.
         depth: batches planned ahead of what the trainer has taken.
+        threaded: plan on a background thread (default: when a core is spare,
+            more cores than ``torch.get_num_threads()``), else inline in ``get``.
     """
 
     def __init__(
@@ -56,30 +67,37 @@ class LookaheadStage:
         known_features: set[str],
         device: torch.device,
         depth: int = 4,
+        threaded: bool | None = None,
     ) -> None:
+        if threaded is None:
+            threaded = (os.cpu_count() or 1) > torch.get_num_threads()
+        self.threaded = threaded
         self._modules = list(modules)
         self._known = known_features
         self._device = device
         self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._iter: Iterator[Any] | None = None
         self._entered = 0  # batches that entered the window: the step of the next one
         # Seconds the thread spent distributing batches (DMP) and planning them.
         self.timings = {"input_dist_s": 0.0, "plan_s": 0.0}
 
     @property
     def started(self) -> bool:
-        return self._thread is not None
+        return self._iter is not None
 
     def start(self, dataloader_iter: Iterator[Any]) -> None:
         """Start reading ``dataloader_iter`` (once)."""
-        self._thread = threading.Thread(
-            target=self._run, args=(dataloader_iter,), name="lookahead-stage", daemon=True
-        )
-        self._thread.start()
+        self._iter = dataloader_iter
+        if self.threaded:
+            self._thread = threading.Thread(target=self._run, name="lookahead-stage", daemon=True)
+            self._thread.start()
 
     def get(self) -> StageItem:
         """The next item, in data order (blocks until the thread has one)."""
+        if not self.threaded:
+            return self._next_item()
         while True:
             try:
                 return self._queue.get(timeout=1.0)
@@ -98,25 +116,27 @@ class LookaheadStage:
 
     # ------------------------------------------------------------ the thread
 
-    def _run(self, dataloader_iter: Iterator[Any]) -> None:
+    def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                batch = next(dataloader_iter)
-            except StopIteration:
-                self._put(self._finish())
+            item = self._next_item()
+            last = item.end or (item.error is not None and not isinstance(item.error, ValueError))
+            if not self._put(item) or last:
                 return
-            except BaseException as error:  # the trainer raises it with its step
-                self._put(StageItem(error=_at_step(error, self._entered, "reading")))
-                return
-            try:
-                item = self._enter(batch.to(self._device, non_blocking=True))
-            except ValueError as refused:
-                item = StageItem(error=refused)
-            except BaseException as error:
-                self._put(StageItem(error=_at_step(error, self._entered, "planning")))
-                return
-            if not self._put(item):
-                return
+
+    def _next_item(self) -> StageItem:
+        """Read and plan the next batch; the end of data and errors become items."""
+        try:
+            batch = next(self._iter)
+        except StopIteration:
+            return self._finish()
+        except Exception as error:  # the trainer raises it with its step
+            return StageItem(error=_at_step(error, self._entered, "reading"))
+        try:
+            return self._enter(batch.to(self._device, non_blocking=True))
+        except ValueError as refused:
+            return StageItem(error=refused)
+        except Exception as error:
+            return StageItem(error=_at_step(error, self._entered, "planning"))
 
     def _enter(self, batch: Any) -> StageItem:
         start = time.perf_counter()
