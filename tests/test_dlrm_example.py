@@ -16,11 +16,15 @@ TINY = ["--scale", "0.001", "--synthetic_samples_per_day", "4096", "--batch_size
         "--limit_val_batches", "4", "--limit_test_batches", "4", "--lookahead", "4"]  # fmt: skip
 
 
-def run(tmp: Path, *flags: str, ranks: int = 1) -> tuple[subprocess.CompletedProcess, dict | None]:
+def run(
+    tmp: Path, *flags: str, ranks: int = 1, restarts: int = 0
+) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """The example on ``ranks`` processes (under torchrun, restarting a failed worker group
+    up to ``restarts`` times, when more than one or when restarting)."""
     launcher = [sys.executable, MAIN]
-    if ranks > 1:
+    if ranks > 1 or restarts:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={ranks}", MAIN]  # fmt: skip
+                    f"--nproc_per_node={ranks}", f"--max-restarts={restarts}", MAIN]  # fmt: skip
     out = tmp / "out"
     cmd = launcher + ["--data_cache", str(tmp.parent / "data-cache"), "--out", str(out), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -109,6 +113,12 @@ def bad_npy_folder(tmp: Path) -> str:
         (["--lookahead", "0"], 2, "--lookahead must be at least 1"),
         (["--cache_load_factor", "1.5"], 2, "--cache_load_factor must be in (0, 1]"),
         (["--resume"], 2, "need --save_dir"),
+        (["--async_checkpoint"], 2, "--async_checkpoint needs --save_dir"),
+        (
+            "--save_dir EMPTY --checkpoint_every 10 --fail_at_step 15 --fail_in checkpoint".split(),
+            2,
+            "a multiple of --checkpoint_every",
+        ),
         (["--dense_arch_layer_sizes", "64,8"], 2, "must end in --embedding_dim"),
     ],
 )

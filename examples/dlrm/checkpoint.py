@@ -1,40 +1,25 @@
-"""Atomic checkpoints with ``torch.distributed.checkpoint``; folders handled through iopath."""
+"""Atomic checkpoints with ``torch.distributed.checkpoint``, written in the foreground or behind
+training; a checkpoint is either complete and published or never read."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from iopath.common.file_io import PathManager
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed.checkpoint import DefaultLoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future as TorchFuture
 
 PATHS = PathManager()
-
-
-def save(root: str, step: int, state: dict[str, Any]) -> str:
-    """Write ``state`` as ``root/step_<step>`` on every rank; readers never see it half-written.
-
-    Ranks write into a hidden folder; once all have finished, rank 0 renames it
-    and then points ``root/latest`` at it (a file replaced atomically).
-    """
-    final = os.path.join(root, f"step_{step:08d}")
-    partial = os.path.join(root, f".step_{step:08d}.partial")
-    if dist.get_rank() == 0:
-        PATHS.mkdirs(root)
-    dist.barrier()
-    dcp.save(state, checkpoint_id=partial)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        if PATHS.exists(final):
-            PATHS.rm(final)
-        os.replace(partial, final)
-        pointer = os.path.join(root, ".latest.partial")
-        with PATHS.open(pointer, "w") as f:
-            f.write(os.path.basename(final))
-        os.replace(pointer, os.path.join(root, "latest"))
-    dist.barrier()
-    return final
 
 
 def latest(root: str) -> str | None:
@@ -46,6 +31,146 @@ def latest(root: str) -> str | None:
         return os.path.join(root, f.read().strip())
 
 
-def load(path: str, state: dict[str, Any]) -> None:
-    """Fill ``state`` (already shaped like the checkpoint) from ``path`` in place."""
-    dcp.load(state, checkpoint_id=path)
+def snapshot(state: Any, into: Any = None) -> Any:
+    """A copy of ``state`` that later training cannot change: every tensor (every local
+    shard of a ``ShardedTensor``) copied to CPU memory, containers rebuilt.
+
+    ``into``, an earlier snapshot that nothing reads any more, lends its tensors
+    where shapes agree: copying into memory already touched costs half as much
+    as into fresh pages, and the copy is what stalls training.
+    """
+    if isinstance(state, ShardedTensor):
+        if isinstance(into, ShardedTensor) and into.metadata() == state.metadata():
+            for target, shard in zip(into.local_shards(), state.local_shards()):
+                target.tensor.copy_(shard.tensor)
+            return into
+        moved = state.cpu()  # a copy already when the shards live on an accelerator
+        if moved is not state:
+            return moved
+        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in state.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, state.metadata(), process_group=state._process_group
+        )
+    if isinstance(state, torch.Tensor):
+        same = isinstance(into, torch.Tensor) and into.shape == state.shape
+        if same and into.dtype == state.dtype:
+            return into.copy_(state)
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        into = into if isinstance(into, dict) else {}
+        return {key: snapshot(value, into.get(key)) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        if not isinstance(into, (list, tuple)) or len(into) != len(state):
+            into = [None] * len(state)
+        return type(state)(snapshot(value, old) for value, old in zip(state, into))
+    return state
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, calling ``written(step)`` once this rank's files are on disk
+    (before the coordinator writes the metadata): where a failure test strikes."""
+
+    def __init__(self, path: str, step: int, written: Callable[[int], None]) -> None:
+        super().__init__(path)
+        self._step, self._written = step, written
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> TorchFuture[list[WriteResult]]:
+        results = super().write_data(plan, planner)
+        results.wait()
+        self._written(self._step)
+        return results
+
+
+class Checkpointer:
+    """Saves ``root/step_<n>`` checkpoints and finds and loads the newest.
+
+    Every rank writes its part into a hidden ``.step_<n>.partial`` folder; once
+    all have finished, rank 0 renames it to ``step_<n>`` and then points
+    ``root/latest`` at it (a file replaced atomically). A save killed at any
+    point leaves ``latest`` naming the previous complete checkpoint; its
+    leftovers are replaced when that step is saved again.
+
+    With ``asynchronous``, ``save`` stalls training only to take the state and
+    copy it (:func:`snapshot`, into the previous copy's memory); a background
+    thread writes and publishes the copy over its own gloo process group, so
+    the trainer's collectives go on beside it. One save at most is in flight:
+    the next ``save`` and ``close`` wait for it (``close`` must run before the
+    process exits).
+
+    A step is saved once: the state of a step this process already saved or
+    loaded is that checkpoint, so saving it again (the end of the data on a
+    checkpoint step, a resumed run ending where it resumed) does nothing.
+    """
+
+    def __init__(self, root: str, asynchronous: bool = False,
+                 written: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        self.root = root
+        self.step: int | None = None  # the newest step saved or loaded here
+        self.stall_s: list[float] = []  # per save: how long the trainer was held
+        self._written = written
+        self._group = dist.new_group(backend="gloo") if asynchronous else None
+        self._thread = ThreadPoolExecutor(1, "checkpoint") if asynchronous else None
+        self._pending: Future | None = None
+        self._copy: dict[str, Any] | None = None  # the last snapshot, lent to the next
+
+    def load(self, state: dict[str, Any]) -> str | None:
+        """Fill ``state`` (shaped like the checkpoint, with a ``step``) in place from the
+        newest complete checkpoint; returns its path, or None when there is none."""
+        path = latest(self.root)
+        if path is not None:
+            # Kept whole, a table sharded to another rank (no local shard) keeps its key;
+            # dropped, DCP takes the checkpoint for a pre-2.4 one and fails on any state
+            # that is all empty dicts (SGD's optimizer state) whenever world size > 1.
+            planner = DefaultLoadPlanner(flatten_sharded_tensors=False)
+            dcp.load(state, checkpoint_id=path, planner=planner)
+            self.step = state["step"]
+        return path
+
+    def save(self, step: int, state: Callable[[], dict[str, Any]]) -> None:
+        """Checkpoint ``state()`` as step ``step`` (on every rank, at the same step)."""
+        if step == self.step:
+            return
+        start = time.perf_counter()
+        self.step = step
+        if self._thread is None:
+            self._write(step, state(), dist.group.WORLD)
+        else:
+            self.wait()
+            self._copy = snapshot(state(), self._copy)
+            self._pending = self._thread.submit(self._write, step, self._copy, self._group)
+        self.stall_s.append(time.perf_counter() - start)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is published; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Finish the save in flight and stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown()
+
+    def _write(self, step: int, state: dict[str, Any], group: dist.ProcessGroup) -> None:
+        """Write ``state`` into the hidden folder, then publish it (the class docstring)."""
+        final = os.path.join(self.root, f"step_{step:08d}")
+        partial = os.path.join(self.root, f".step_{step:08d}.partial")
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
+            PATHS.mkdirs(self.root)
+        dist.barrier(group=group)
+        writer = _Writer(partial, step, self._written) if self._written else None
+        dcp.save(state, checkpoint_id=partial, storage_writer=writer, process_group=group)
+        dist.barrier(group=group)
+        if rank0:
+            shutil.rmtree(final, ignore_errors=True)  # an unpublished leftover: not latest
+            os.replace(partial, final)
+            pointer = os.path.join(self.root, ".latest.partial")
+            with PATHS.open(pointer, "w") as f:
+                f.write(os.path.basename(final))
+            os.replace(pointer, os.path.join(self.root, "latest"))
+        dist.barrier(group=group)

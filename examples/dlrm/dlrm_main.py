@@ -11,6 +11,12 @@ same weights on the same data and compare.
     python examples/dlrm/dlrm_main.py --baseline                   # synthetic Criteo-shaped data
     torchrun --standalone --nproc_per_node 2 examples/dlrm/dlrm_main.py
     python examples/dlrm/dlrm_main.py --dataset_path /data/criteo  # day_*.npy or raw TSV days
+
+Checkpoints (``--save_dir``, ``--checkpoint_every``, ``--async_checkpoint``) make a
+job survive failures: under ``torchrun --max-restarts N`` a restarted worker group
+resumes from the latest complete checkpoint by itself, redoes the steps after it
+and ends with the weights of an uninterrupted run. ``--fail_at_step`` kills a
+rank on purpose to show it.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ import hashlib
 import itertools
 import json
 import os
+import signal
 import socket
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchmetrics  # noqa: E402
-from checkpoint import latest, load, save  # noqa: E402
+from checkpoint import Checkpointer, latest  # noqa: E402
 from data import DataError, SyntheticSpec, day_files, loader, real_days, synthetic_days  # noqa: E402
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES  # noqa: E402
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
@@ -114,7 +123,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Checkpoints and output.
     p.add_argument("--save_dir", type=str, default=None)
     p.add_argument("--checkpoint_every", type=int, default=None, help="steps; also at the end")
-    p.add_argument("--resume", action="store_true", help="continue from --save_dir's latest")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --save_dir's latest complete checkpoint (from step 0 if it has "
+        "none). Implied when torchrun restarts the job (--max-restarts), so a restart "
+        "resumes by itself; without it, --save_dir must hold no checkpoint",
+    )
+    p.add_argument(
+        "--async_checkpoint",
+        action="store_true",
+        help="stall training only to copy the state; write the files in the background",
+    )
+    # Failure injection (tests and benchmarks/failures.py), on torchrun's first attempt only.
+    p.add_argument("--fail_at_step", type=int, default=None,
+                   help="kill --fail_rank (SIGKILL) after this training step, or while it "
+                        "writes this step's checkpoint (--fail_in checkpoint)")  # fmt: skip
+    p.add_argument("--fail_rank", type=int, default=0)
+    p.add_argument("--fail_in", choices=["step", "checkpoint"], default="step")
     p.add_argument("--out", type=str, default="results/dlrm", help="summary JSON and PNG")
     args = p.parse_args(argv)
 
@@ -141,6 +167,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--resume and --checkpoint_every need --save_dir")
     if args.resume and args.baseline:
         p.error("--resume continues the lookahead run only; run --baseline from the start")
+    if args.async_checkpoint and not args.save_dir:
+        p.error("--async_checkpoint needs --save_dir")
+    if args.save_dir and not args.resume and first_attempt() and (found := latest(args.save_dir)):
+        p.error(f"--save_dir {args.save_dir} already holds a checkpoint "
+                f"({os.path.basename(found)}); pass --resume to continue from it, or choose "
+                "an empty folder")  # fmt: skip
+    args.resume = args.resume or (args.save_dir is not None and not first_attempt())
+    if args.fail_at_step is not None:
+        positive("fail_at_step")
+        if args.fail_rank < 0:
+            p.error(f"--fail_rank must be >= 0, got {args.fail_rank}")
+        if args.fail_in == "checkpoint" and (
+            not args.checkpoint_every or args.fail_at_step % args.checkpoint_every
+        ):
+            p.error("--fail_in checkpoint needs --fail_at_step to be a multiple of "
+                    "--checkpoint_every")  # fmt: skip
     try:
         args.dense_arch = [int(x) for x in args.dense_arch_layer_sizes.split(",")]
         args.over_arch = [int(x) for x in args.over_arch_layer_sizes.split(",")]
@@ -168,6 +210,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------ set-up
 
 
+def first_attempt() -> bool:
+    """Whether this is torchrun's first start of the worker group (or a plain run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+
+def fail_here(args: argparse.Namespace, rank: int, where: str, step: int) -> None:
+    """Kill this process as a lost machine dies (SIGKILL: no clean-up) if ``--fail_at_step``
+    names this point (``where``: ``step`` or ``checkpoint``) and rank, on the first attempt."""
+    if (step, where, rank) == (args.fail_at_step, args.fail_in, args.fail_rank) and first_attempt():
+        print(f"rank {rank}: killed at step {step} ({where}, --fail_at_step)", file=sys.stderr,
+              flush=True)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init_distributed() -> tuple[int, int, torch.device]:
     """torchrun's process group, or a one-process group; gloo on CPU, NCCL on CUDA."""
     if "RANK" not in os.environ:
@@ -183,8 +239,28 @@ def init_distributed() -> tuple[int, int, torch.device]:
     else:
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, **attempt_store())
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def attempt_store() -> dict:
+    """Under torchrun, the agent's store with keys of this restart only.
+
+    torchrun keeps one store for all restarts of the worker group (its shared
+    TCPStore, pytorch/pytorch#135712), and process groups publish their
+    addresses there under the same keys every time: a restarted rank could read
+    the address of a rank that died and fail to connect (or hang). A prefix per
+    restart keeps the attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False)  # fmt: skip
+    return {
+        "store": dist.PrefixStore(f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }
 
 
 def dataset(args: argparse.Namespace, rank: int) -> list[tuple[str, str, str]]:
@@ -289,17 +365,21 @@ class Run:
     """What one training run measured."""
 
     name: str
+    first_step: int = 0  # where training began: a resumed run's checkpoint step
     step_s: list[float] = field(default_factory=list)
     hit_rate: list[float] = field(default_factory=list)
     samples: int = 0
     seconds: float = 0.0
     auroc: dict[str, float] = field(default_factory=dict)
     cache: dict[str, float] = field(default_factory=dict)
+    checkpoint_stall_s: list[float] = field(default_factory=list)  # per save, slowest rank
 
 
-def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start_step: int) -> Run:
-    """One pass over --epochs of training data through ``name``'s pipeline."""
-    run = Run(name)
+def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start_step: int,
+          checkpointer: Checkpointer | None = None) -> Run:  # fmt: skip
+    """One pass over --epochs of training data through ``name``'s pipeline, checkpointed
+    by ``checkpointer`` (every --checkpoint_every steps and at the end) if given."""
+    run = Run(name, first_step=start_step)
     lookahead = name == "lookahead"
     if lookahead:
         pipeline = LookaheadTrainPipeline(dmp, optimizer, device, lookahead=args.lookahead,
@@ -343,8 +423,9 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
                 postfix["hit rate"] = f"{pipeline.cache_metrics()['total'].hit_rate:.3f}"
             bar.set_postfix(postfix)
         bar.update()
-        if lookahead and args.checkpoint_every and step % args.checkpoint_every == 0:
-            save(args.save_dir, step, checkpoint_state(dmp, optimizer, step))
+        fail_here(args, rank, "step", step)
+        if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
+            checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step))
     bar.close()
     if lookahead:
         run.hit_rate = pipeline.hit_rates()
@@ -361,8 +442,8 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
             "stage_ms_per_step": 1000 * (metrics.stage_s - first_stage_s) / max(steps - 1, 1),
             "planning_ms_per_step": 1000 * metrics.plan_s / steps,
         }
-        if args.save_dir:
-            save(args.save_dir, step, checkpoint_state(dmp, optimizer, step))
+        if checkpointer:
+            checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step))
     else:
         pipeline.detach()  # TorchRec's pipeline rewrote the forward; give it back for eval
     return run
@@ -388,7 +469,8 @@ def evaluate(args, dmp, days, stage: str, rank, world_size, device) -> float:
 
 
 def weights_digest(dmp) -> str:
-    """A hash of this rank's shards of every table and every dense parameter."""
+    """A hash of every table's shards and every dense parameter, over all ranks (in rank
+    order): equal digests mean equal weights everywhere."""
     digest = hashlib.sha256()
     for key, value in dmp.state_dict().items():
         tensors = (
@@ -397,11 +479,15 @@ def weights_digest(dmp) -> str:
         for tensor in tensors:
             digest.update(key.encode())
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, digest.hexdigest())
+    return hashlib.sha256("".join(per_rank).encode()).hexdigest()
 
 
 def run(args: argparse.Namespace) -> int:
     rank, world_size, device = init_distributed()
+    if args.fail_at_step is not None and args.fail_rank >= world_size:
+        raise ValueError(f"--fail_rank {args.fail_rank} is not a rank of world size {world_size}")
     days = dataset(args, rank)
     planner = None
     if args.plan_cache_sizes:
@@ -416,30 +502,42 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline:
         base, base_opt = build(args, lookahead=False, world_size=world_size, device=device)
         look.load_state_dict(base.state_dict())  # same starting weights, from a plain checkpoint
+    checkpointer = None
+    if args.save_dir:
+        written = None
+        if args.fail_at_step is not None and args.fail_in == "checkpoint":
+            written = partial(fail_here, args, rank, "checkpoint")
+        checkpointer = Checkpointer(args.save_dir, args.async_checkpoint, written)
     start_step = 0
-    if args.resume and (path := latest(args.save_dir)):
+    if args.resume:
         state = checkpoint_state(look, look_opt, 0)
-        load(path, state)
-        look.load_state_dict(state["model"])
-        look_opt.load_state_dict(state["optimizer"])
-        start_step = state["step"]
-        if rank == 0:
-            print(f"resumed from {path} at step {start_step}")
+        if path := checkpointer.load(state):
+            look.load_state_dict(state["model"])
+            look_opt.load_state_dict(state["optimizer"])
+            start_step = state["step"]
+            if rank == 0:
+                print(f"resumed from {path} at step {start_step}")
 
     models = [("lookahead", look, look_opt)] + (
         [("baseline", base, base_opt)] if args.baseline else []
     )
-    for name, dmp, optimizer in models:
-        start = start_step if name == "lookahead" else 0
-        result = train(args, name, dmp, optimizer, days, rank, world_size, device, start)
-        for stage in ("val", "test"):
-            result.auroc[stage] = evaluate(args, dmp, days, stage, rank, world_size, device)
-        runs.append(result)
-    same = None
-    if args.baseline:
-        same = torch.tensor([weights_digest(look) == weights_digest(base)], dtype=torch.int64)
-        dist.all_reduce(same, op=dist.ReduceOp.MIN)
-        same = bool(same.item())
+    try:
+        for name, dmp, optimizer in models:
+            lookahead = name == "lookahead"
+            result = train(args, name, dmp, optimizer, days, rank, world_size, device,
+                           start_step if lookahead else 0,
+                           checkpointer if lookahead else None)  # fmt: skip
+            for stage in ("val", "test"):
+                result.auroc[stage] = evaluate(args, dmp, days, stage, rank, world_size, device)
+            runs.append(result)
+    finally:
+        if checkpointer:
+            checkpointer.close()  # the last save is published before anything else
+    if checkpointer and checkpointer.stall_s:
+        stalls = torch.tensor(checkpointer.stall_s, dtype=torch.float64)
+        dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
+        runs[0].checkpoint_stall_s = stalls.tolist()
+    same = weights_digest(look) == weights_digest(base) if args.baseline else None
     digest = weights_digest(look)
     sharded = [m for m in look.modules() if hasattr(m, "cached_groups")]
     cached = torch.tensor([sum(sum(g.cache_rows) for m in sharded for g in m.cached_groups)])
@@ -467,6 +565,11 @@ def cells(run: Run) -> dict[str, str]:
         "executor wait ms / step": f"{cache['executor_wait_ms_per_step']:.2f}" if cache else "-",
         "planning ms / step": f"{cache['planning_ms_per_step']:.2f}" if cache else "-",
         "plan wait ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
+        "checkpoint stall ms / save": (
+            f"{1000 * statistics.median(run.checkpoint_stall_s):.1f}"
+            if run.checkpoint_stall_s
+            else "-"
+        ),
     }
 
 
@@ -486,6 +589,7 @@ def report(args, runs: list[Run], same: bool | None, digest: str, world_size: in
         print(f"{label:>26}" + "".join(f"{column[label]:>16}" for column in table))
     if same is not None:
         print(f"{'final weights match':>26}{'yes' if same else 'NO':>16}")
+    print(f"{'weights digest':>26}  {digest}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"config": {k: v for k, v in vars(args).items()}, "runs": [vars(r) for r in runs],
