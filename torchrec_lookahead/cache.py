@@ -159,7 +159,7 @@ class CacheTable:
         on_device = slots.to(self.device)
         rows = [t.index_select(0, on_device) for t in (self._weights[pool], *self._states[pool])]
         if self.device.type == "cuda":  # through pinned staging buffers, then wait for them
-            staged = [self.store.staging(r) for r in rows]
+            staged = [self.store.staging_rows(len(r), r) for r in rows]
             for host, dev in zip(staged, rows):
                 host.copy_(dev, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()

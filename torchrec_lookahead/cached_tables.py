@@ -133,12 +133,11 @@ class CachedTables:
         # Table t's place when per-pool counts are concatenated pool by pool.
         self._table_order = np.argsort(np.concatenate([p.tables for p in self.pools]))
         self._feature_rows = np.asarray(self.num_rows, dtype=np.int64)[tables]
-        self._feature_pool = pool_of_table[tables]
         self._feature_offset = offset_of_table[tables]
         self._offset_ids = bool(self._feature_offset.any())
         # Each pool's features in lookup order; a table's features are consecutive, so a
         # pool of one table (or of every table) reads one slice of the batch.
-        self._pool_features = [np.flatnonzero(self._feature_pool == p)
+        self._pool_features = [np.flatnonzero(pool_of_table[tables] == p)
                                for p in range(len(self.pools))]  # fmt: skip
         self._window = Window(1, 1)  # set by attach
         self._oracles: list[CachePlanner] | None = None  # built at the window's first batch

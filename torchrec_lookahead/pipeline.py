@@ -23,7 +23,8 @@ __all__ = ["LookaheadTrainPipeline"]
 class LookaheadTrainPipeline(TrainPipeline):
     """Trains a model holding ``LookaheadEmbeddingBagCollection``s, one batch per ``progress``.
 
-    A background :class:`~torchrec_lookahead.stage.LookaheadStage` reads
+    The :class:`~torchrec_lookahead.stage.LookaheadStage` (on a background thread
+    where a core is spare, else inline; see ``stage_thread`` below) reads
     batches ahead, distributes them (under ``DistributedModelParallel``) and
     plans them with every table's oracle; the trainer keeps a window of the
     next ``lookahead + prefetch_distance`` planned batches. The row moves of
@@ -100,7 +101,8 @@ class LookaheadTrainPipeline(TrainPipeline):
 
     @property
     def stage_timings(self) -> dict[str, float]:
-        """Seconds the background stage spent distributing (DMP) and planning batches."""
+        """Seconds the stage spent distributing (DMP) and planning batches (inline, this
+        time is also in ``timings["stage_s"]``)."""
         return dict(self._stage.timings)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:

@@ -80,7 +80,7 @@ class LookaheadStage:
         self._thread: threading.Thread | None = None
         self._iter: Iterator[Any] | None = None
         self._entered = 0  # batches that entered the window: the step of the next one
-        # Seconds the thread spent distributing batches (DMP) and planning them.
+        # Seconds the stage spent distributing batches (DMP) and planning them.
         self.timings = {"input_dist_s": 0.0, "plan_s": 0.0}
 
     @property

@@ -51,10 +51,6 @@ class HostStore:
             self._rows(s, ids) for s in self.states[table]
         ]
 
-    def staging(self, like: torch.Tensor) -> torch.Tensor:
-        """An empty host buffer shaped like ``like``, pinned when the store is."""
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=self._pin)
-
     def staging_rows(self, count: int, like: torch.Tensor) -> torch.Tensor:
         """An empty host buffer of ``count`` rows shaped like those of ``like``."""
         return torch.empty((count, *like.shape[1:]), dtype=like.dtype, pin_memory=self._pin)
