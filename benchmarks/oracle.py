@@ -130,9 +130,7 @@ def throughput(args: argparse.Namespace) -> list[dict[str, object]]:
     runs = [(k, L) for k in args.tp_partitions for L in args.tp_lookaheads]
     out = []
     for partitions, lookahead in tqdm(runs, desc="timing oracle", unit="run"):
-        oracle_s = median_of(
-            lambda L=lookahead, k=partitions: list(oracle(L, k).plan(batches))
-        )
+        oracle_s = median_of(lambda L=lookahead, k=partitions: list(oracle(L, k).plan(batches)))
         out.append(
             {
                 "partitions": partitions,

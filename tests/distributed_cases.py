@@ -12,7 +12,10 @@ shard and every dense parameter are equal, bitwise.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,7 @@ class Case:
     steps: int = 100
     cache_load_factor: float = 0.2
     stage_thread: bool = True  # the lookahead stage on its own thread, or inline
+    store_dir: bool = False  # the tables in a disk store (a temporary directory)
 
 
 def tables() -> list[EmbeddingBagConfig]:
@@ -119,9 +123,11 @@ def rank_data_and_baseline(case: Case, rank: int, world_size: int):
 def check(case: Case, rank: int, world_size: int) -> None:
     batches, (base, base_opt, base_plan) = rank_data_and_baseline(case, rank, world_size)
     sharders = [LookaheadEmbeddingBagCollectionSharder()]
+    store_dir = tempfile.mkdtemp(prefix="lookahead-store-") if case.store_dir else None
     ebc = LookaheadEmbeddingBagCollection(
-        tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor
-    )
+        tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor,
+        store_dir=store_dir,
+    )  # fmt: skip
     look, look_opt, look_plan = build(ebc, sharders, case, world_size)
     assert str(base_plan) == str(look_plan), "both models must get the same plan"
     look.load_state_dict(base.state_dict())  # a plain TorchRec checkpoint
@@ -139,6 +145,10 @@ def check(case: Case, rank: int, world_size: int) -> None:
     )
     total = pipeline.cache_metrics()["total"]
     assert total.rows_written_back > 0, f"{case}: the cache never evicted; the test is too easy"
+    if store_dir is not None:
+        files = sorted(p.name for p in Path(store_dir, f"rank{rank}").glob("*.f32"))
+        assert files and all(name.startswith("lookup") for name in files), files
+        shutil.rmtree(store_dir)
 
 
 def _in_process_group(rank: int, world_size: int, port: int, body) -> None:  # noqa: ANN001

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,13 +95,18 @@ class TwoModuleModel(nn.Module):
 
 
 def lookahead_model(optimizer: str, **cache: object) -> TwoModuleModel:
-    """The model with lookahead-cached modules; ``cache_rows`` may name tables of both."""
+    """The model with lookahead-cached modules; ``cache_rows`` may name tables of both;
+    with ``store_dir`` each module keeps a disk store in a directory of its own below it."""
 
     def settings(tables: list[EmbeddingBagConfig]) -> dict[str, object]:
-        if "cache_rows" not in cache:
-            return cache
         names = {t.name for t in tables}
-        return cache | {"cache_rows": {k: v for k, v in cache["cache_rows"].items() if k in names}}
+        out = dict(cache)
+        if "cache_rows" in cache:
+            out["cache_rows"] = {k: v for k, v in cache["cache_rows"].items() if k in names}
+        if "store_dir" in cache:  # a directory of its own for each module
+            out["store_dir"] = Path(cache["store_dir"]) / tables[0].name
+            out["store_dir"].mkdir()
+        return out
 
     model = TwoModuleModel(
         LookaheadEmbeddingBagCollection(UNWEIGHTED, **settings(UNWEIGHTED)),

@@ -29,6 +29,13 @@ def test_canonical_use_matches_plain_torchrec(world_size: int, sharding_type: st
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_disk_store_matches_plain_torchrec(world_size: int) -> None:
+    spawn(
+        world_size, [Case("column_wise", optimizer, 16, store_dir=True) for optimizer in OPTIMIZERS]
+    )
+
+
 def test_mixed_modules_bad_batch_on_one_rank_eval_and_checkpoint(tmp_path) -> None:
     mp.spawn(integration_worker, args=(2, free_port(), str(tmp_path / "ckpt")), nprocs=2)
 

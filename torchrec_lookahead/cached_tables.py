@@ -207,14 +207,17 @@ class CachedTables:
         if prepared.step != self._entered:
             raise ValueError(f"a batch prepared for step {prepared.step} cannot enter at "
                              f"step {self._entered}")  # fmt: skip
-        distinct = np.concatenate([pool.table_counts(batch.unique)
-                                   for pool, batch in zip(self.pools, prepared.batches)])
+        distinct = np.concatenate(
+            [pool.table_counts(batch.unique) for pool, batch in zip(self.pools, prepared.batches)]
+        )
         distinct = distinct[self._table_order]
         self._counts["lookups"] += prepared.lookups
         self._counts["unique_ids"] += distinct
         self.step_counts[prepared.step] = (distinct, np.zeros_like(distinct))
         self._positions[prepared.step] = prepared.positions
         self._entered += 1
+        if self.cache.store.reads_ahead:
+            self._read_ahead(prepared)
         plans = [oracle.push(batch) for oracle, batch in zip(self._oracles, prepared.batches)]
         return self._planned(plans)
 
@@ -280,6 +283,16 @@ class CachedTables:
             self.cache.resize(self._pool_slots())
         self._oracles = [self._planner(slots, pool.num_rows) for slots, pool in
                          zip(self.cache.slots, self.pools)]  # fmt: skip
+
+    def _read_ahead(self, prepared: PreparedStep) -> None:
+        """Start reading the rows this batch's step may fetch: those not resident now.
+
+        L + d steps before they are needed, so disk latency hides behind the
+        window; a row evicted before its step comes is read again on demand.
+        """
+        for pool, oracle, batch in zip(self.pools, self._oracles, prepared.batches):
+            for table, rows, _ in pool.by_table(oracle.absent(batch)):
+                self.cache.store.read_ahead(table, rows)
 
     def _planner(self, slots: int, num_rows: int) -> CachePlanner:
         w = self._window

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
 from torchrec.distributed.utils import merge_fused_params, optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -19,8 +22,9 @@ from torchrec_lookahead.cached_tables import (
     StepMoves,
     Window,
 )
+from torchrec_lookahead.disk import StoreFiles
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.store import HostStore
+from torchrec_lookahead.store import HostStore, MmapStore
 
 __all__ = ["LookaheadEmbeddingBagCollection"]
 
@@ -58,6 +62,13 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             ...), used where ``apply_optimizer_in_backward`` was not.
         min_cache_rows: no table (or shard) gets fewer slots, unless it has
             fewer rows: e.g. what a window can touch, ``(d + 1) x batch`` ids.
+        store_dir: keep the full tables and their optimizer state in files in
+            this existing directory (:class:`~torchrec_lookahead.store.MmapStore`)
+            instead of host memory, for tables larger than RAM. The module's
+            parameters are then mappings of those files, initialised with the
+            values ``EmbeddingBagCollection`` gives on the CPU for the same
+            seed. Under DMP each rank keeps its shards in a directory of its
+            own below this one.
     """
 
     def __init__(
@@ -69,11 +80,18 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         cache_rows: Mapping[str, int] | None = None,
         fused_params: Mapping[str, Any] | None = None,
         min_cache_rows: int = 1,
+        store_dir: str | os.PathLike | None = None,
     ) -> None:
         compute = torch.device(device) if device is not None else torch.device("cpu")
         host = compute if compute.type == "meta" else torch.device("cpu")
+        self.store_dir = None if store_dir is None else Path(store_dir)
+        files = None
+        if self.store_dir is not None and host.type != "meta":
+            files = StoreFiles(self.store_dir)  # checks the directory before anything is built
+            host = torch.device("meta")
         super().__init__(tables=tables, is_weighted=is_weighted, device=host)
         self._device = compute
+        self._store_files = files
         if not 0 < cache_load_factor <= 1:
             raise ValueError(f"cache_load_factor must be in (0, 1], got {cache_load_factor}")
         names = [t.name for t in tables]
@@ -94,6 +112,8 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         self._flat_features = [f for names in self._feature_names for f in names]
         self._feature_tables = [t for t, names in enumerate(self._feature_names) for _ in names]
         self._cached: CachedTables | None = None  # built at the first attach
+        if files is not None:
+            self._map_weights(files)
         self.register_load_state_dict_post_hook(lambda module, _: module._reload_cache())
 
     # ------------------------------------------------------------ settings
@@ -236,7 +256,12 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         if on_cuda:
             for bag in self.embedding_bags.values():
                 bag.weight.data = bag.weight.data.pin_memory()
-        store = HostStore([bag.weight for bag in self.embedding_bags.values()], pin=on_cuda)
+        weights = [bag.weight for bag in self.embedding_bags.values()]
+        if self._store_files is not None:
+            names = [t.name for t in self._embedding_bag_configs]
+            store = MmapStore(self._store_files, names, weights)
+        else:
+            store = HostStore(weights, pin=on_cuda)
         configs = self._embedding_bag_configs
         cached = CachedTables(
             [t.name for t in configs],
@@ -253,6 +278,42 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         store.allocate_states(cached.cache.state_shapes())
         return cached
 
+    def _map_weights(self, files: StoreFiles) -> None:
+        """Tables as store files, holding what ``EmbeddingBagCollection`` on the CPU would.
+
+        That module draws each ``nn.EmbeddingBag``'s ``normal_`` init as it is
+        built, then runs each table's ``init_fn``. The draws are replayed in
+        chunks into a small buffer and dropped (same generator state, no table
+        in RAM); the ``init_fn`` then writes the mapped weights in place.
+        """
+        configs = self._embedding_bag_configs
+        for config in configs:
+            shape = (config.num_embeddings, config.embedding_dim)
+            weight = files.tensor(f"{config.name}.weight", shape)
+            self.embedding_bags[config.name].weight = nn.Parameter(weight)
+            _draw_normal(weight.numel())
+        for config in configs:
+            config.init_fn(self.embedding_bags[config.name].weight)
+
     def _reload_cache(self) -> None:
         if self._cached is not None:
             self._cached.cache.refresh()
+
+
+DRAW_CHUNK = 1 << 22  # elements per normal_ call when replaying a table's init draws
+
+
+def _draw_normal(numel: int) -> None:
+    """Advance the default generator as ``torch.empty(numel).normal_()`` would.
+
+    CPU ``normal_`` on a float tensor of 16 or more elements draws one uniform
+    per element, in order, plus 16 more when the size is not a multiple of 16.
+    Chunks of ``DRAW_CHUNK`` (a multiple of 16) and a last one of at least
+    that size (so with the same remainder) draw exactly the same sequence.
+    """
+    buffer = torch.empty(min(numel, 2 * DRAW_CHUNK))
+    left = numel
+    while left:
+        size = left if left < 2 * DRAW_CHUNK else DRAW_CHUNK
+        buffer[:size].normal_()
+        left -= size

@@ -45,7 +45,14 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_lookahead.oracle_kernels import RESIDENT, ROW, emit_step, enter_batch, prepare_batch
+from torchrec_lookahead.oracle_kernels import (
+    RESIDENT,
+    ROW,
+    SLOT,
+    emit_step,
+    enter_batch,
+    prepare_batch,
+)
 from torchrec_lookahead.slots import grow_rings, grow_rows, new_state
 
 __all__ = [
@@ -161,6 +168,10 @@ class CachePlanner(ABC):
 
     @abstractmethod
     def finish(self) -> list[CachePlan]: ...
+
+    @abstractmethod
+    def absent(self, prepared: Any) -> np.ndarray:
+        """The distinct ids of a prepared batch not resident now: what its step may fetch."""
 
     def plan(self, batches: Iterable[Any]) -> Iterator[CachePlan]:
         """Plans for a stream of batches, in step order, with the end drained."""
@@ -294,6 +305,9 @@ class OracleCacher(CachePlanner):
             reused = sum(window[q - first].gaps[q - released] for q in range(released + 1, step))
             pinned -= len(window[released - first].unique) - reused
         return PreparedBatch(self, step, ids, unique, prev, mult, inverse, gaps, pinned, taken)
+
+    def absent(self, prepared: PreparedBatch) -> np.ndarray:
+        return prepared.unique[self._state.rows[prepared.unique, SLOT] < 0]
 
     def push(self, batch: Any) -> CachePlan | None:
         """Let the next batch into the window; returns ``plan(step - L)`` once it is due.

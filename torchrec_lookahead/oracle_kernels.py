@@ -47,6 +47,7 @@ __all__ = [
     "RESIDENT",
     "ROW",
     "ROW_FIELDS",
+    "SLOT",
     "SLOT_FIELDS",
     "emit_step",
     "enter_batch",

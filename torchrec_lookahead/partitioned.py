@@ -145,6 +145,11 @@ class PartitionedOracle(CachePlanner):
             )
         return PartitionedBatch(self, step, ids, tuple(parts))
 
+    def absent(self, prepared: PartitionedBatch) -> np.ndarray:
+        k = len(self._parts)
+        parts = zip(self._parts, prepared.parts)
+        return np.concatenate([global_ids(o.absent(b), p, k) for p, (o, b) in enumerate(parts)])
+
     def push(self, batch: Any) -> CachePlan | None:
         """Let the next batch into every partition; returns ``plan(step - L)`` once it is due."""
         if self.partitions == 1:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.batched_embedding_kernel import (
     BatchedFusedEmbeddingBag,
     EmbeddingFusedOptimizer,
@@ -39,13 +40,15 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves, Window
+from torchrec_lookahead.disk import StoreFiles
 from torchrec_lookahead.ids import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.store import HostStore
+from torchrec_lookahead.store import HostStore, MmapStore
 
 __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
@@ -66,6 +69,7 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
         device: torch.device | None = None,
         sharding_type: ShardingType | None = None,
         env: ShardingEnv | None = None,
+        store_files: tuple[StoreFiles, str] | None = None,
     ) -> None:
         device = device or torch.device("cpu")
         on_cuda = device.type == "cuda"
@@ -75,14 +79,22 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
                 for t in config.embedding_tables
             ]
             config = dataclasses.replace(config, embedding_tables=tables)
+        if store_files is not None:  # the store TBE's host buffers are store files
+            buffers = _store_buffers(config, *store_files)
+            fused = {**(config.fused_params or {}), "preallocated_host_buffers": buffers}
+            config = dataclasses.replace(config, fused_params=fused)
         super().__init__(config, pg, device, sharding_type, env)
         params = dict(config.fused_params or {})
+        params.pop("preallocated_host_buffers", None)
         optimizer = params.pop("optimizer")
         store_states = self._emb_module.split_optimizer_states()
-        store = HostStore(
-            self._emb_module.split_embedding_weights(),
-            states=store_states or [[] for _ in config.embedding_tables],
-        )
+        weights = self._emb_module.split_embedding_weights()
+        states = store_states or [[] for _ in config.embedding_tables]
+        if store_files is not None:
+            names = [t.name for t in config.embedding_tables]
+            store = MmapStore(store_files[0], names, weights, states)
+        else:
+            store = HostStore(weights, states=states)
         # A plan's per-table cache_params.load_factor stays in each table's fused params
         # (TorchRec groups tables without it), so size each table's cache from its own.
         table_slots = [
@@ -111,6 +123,28 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
             )
         self.cached.write_back()
         return super().forward(features, *args, **kwargs)  # the store TBE: current weights
+
+
+def _store_buffers(config: GroupedEmbeddingConfig, files: StoreFiles, prefix: str) -> dict:
+    """Store files for the host buffers FBGEMM's TBE would allocate for ``config``:
+    the tables' weights, one after another, and the optimizer's per-row state."""
+    if config.data_type != DataType.FP32:
+        raise ValueError(f"a disk store holds FP32 tables, not {config.data_type}")
+    optimizer = (config.fused_params or {}).get("optimizer")
+    elements = sum(t.local_rows * t.local_cols for t in config.embedding_tables)
+    rows = sum(t.local_rows for t in config.embedding_tables)
+    state = {
+        EmbOptimType.EXACT_SGD: None,
+        EmbOptimType.EXACT_ADAGRAD: elements,
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD: rows,
+    }
+    if optimizer not in state:
+        raise ValueError(f"a disk store supports the optimizers {sorted(map(str, state))}, "
+                         f"not {optimizer}")  # fmt: skip
+    buffers = {"weights": files.tensor(f"{prefix}.weights", (elements,))}
+    if state[optimizer] is not None:
+        buffers["momentum1"] = files.tensor(f"{prefix}.momentum1", (state[optimizer],))
+    return buffers
 
 
 class CacheAwareFusedOptimizer(EmbeddingFusedOptimizer):
@@ -142,8 +176,12 @@ class CacheAwareFusedOptimizer(EmbeddingFusedOptimizer):
 class LookaheadPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     """TorchRec's pooled lookup, building lookahead kernels for fused tables."""
 
-    def __init__(self, *args: Any, sizing: CacheSizing, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, sizing: CacheSizing, store: tuple[StoreFiles, str] | None, **kwargs: Any
+    ) -> None:
         self._sizing = sizing
+        self._store = store  # (files, name prefix) of a disk store, or None
+        self._kernels_made = 0
         super().__init__(*args, **kwargs)
 
     def _create_embedding_kernel(
@@ -160,7 +198,14 @@ class LookaheadPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
                 f"lookahead caching runs on the fused kernels {sorted(k.value for k in kernels)}, "
                 f"the plan asks for {config.compute_kernel.value}"
             )
-        return LookaheadFusedEmbeddingBag(config, self._sizing, pg, device, sharding_type, env)
+        store = None
+        if self._store is not None:
+            files, prefix = self._store
+            store = files, f"{prefix}.kernel{self._kernels_made}"
+        self._kernels_made += 1
+        return LookaheadFusedEmbeddingBag(
+            config, self._sizing, pg, device, sharding_type, env, store
+        )
 
     def kernel_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
         """The features each kernel's forward will get (as ``forward`` splits them)."""
@@ -185,6 +230,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
     def __init__(self, module: LookaheadEmbeddingBagCollection, **kwargs: Any) -> None:
         self._sizing = module.sizing  # read by _create_lookups during super().__init__
+        self._store_files = None  # a disk store's files (this rank's), read there too
+        if module.store_dir is not None:
+            rank = kwargs["env"].rank
+            self._store_files = StoreFiles.create_subdir(module.store_dir, f"rank{rank}")
         self._on_stage = threading.local()  # .active: this thread is the lookahead stage
         self._stage_pg: dist.ProcessGroup | None = None
         self._stage_input_dists: list[torch.nn.Module] = []
@@ -199,7 +248,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
     def _create_lookups(self) -> None:
-        for sharding in self._embedding_shardings:
+        files = self._store_files
+        for index, sharding in enumerate(self._embedding_shardings):
             if isinstance(sharding, TwRwPooledEmbeddingSharding):
                 configs = sharding._grouped_embedding_configs_per_rank[sharding._rank]
                 sharding_type = ShardingType.TABLE_ROW_WISE
@@ -215,6 +265,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     sharding_type=sharding_type,
                     env=sharding._env,
                     sizing=self._sizing,
+                    store=None if files is None else (files, f"lookup{index}"),
                 )
             )
 

@@ -108,9 +108,7 @@ def reference_windowed(
     return outcomes
 
 
-def reference_min(
-    batches: Sequence[Any], capacity: int, tie_break: str = "frequency"
-) -> list[int]:
+def reference_min(batches: Sequence[Any], capacity: int, tie_break: str = "frequency") -> list[int]:
     """Belady's MIN for batched access: misses per step."""
     outcomes = reference_windowed(batches, capacity, len(batches), 0, tie_break)
     return [len(o.fetched) for o in outcomes]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["HostStore"]
+from torchrec_lookahead.disk import StoreFiles
+
+__all__ = ["HostStore", "MmapStore"]
 
 
 class HostStore:
@@ -20,6 +23,8 @@ class HostStore:
     the tensors are pinned so that copies to and from the device can be async.
     """
 
+    reads_ahead = False  # whether read_ahead does anything (callers skip finding rows if not)
+
     def __init__(
         self,
         weights: Sequence[torch.Tensor],
@@ -30,6 +35,9 @@ class HostStore:
         self.states = [[s.detach() for s in table] for table in states or [[]] * len(weights)]
         self._pin = pin
 
+    def read_ahead(self, table: int, ids: np.ndarray) -> None:
+        """Rows ``ids`` of ``table`` will be gathered soon (a hint; host memory needs none)."""
+
     @property
     def num_tables(self) -> int:
         return len(self.weights)
@@ -37,12 +45,12 @@ class HostStore:
     def allocate_states(self, shapes: Sequence[Sequence[torch.Size]]) -> None:
         """Zero optimizer state per table; ``shapes[t]`` are its per-row state shapes."""
         self.states = [
-            [
-                torch.zeros((len(w), *shape), dtype=torch.float32, pin_memory=self._pin)
-                for shape in table_shapes
-            ]
-            for w, table_shapes in zip(self.weights, shapes)
+            [self._zeros(t, k, (len(w), *shape)) for k, shape in enumerate(table_shapes)]
+            for t, (w, table_shapes) in enumerate(zip(self.weights, shapes))
         ]
+
+    def _zeros(self, table: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.float32, pin_memory=self._pin)
 
     def gather(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Rows ``ids`` of ``table``: weights and optimizer state, copied into new
@@ -69,3 +77,48 @@ class HostStore:
     def bytes_per_row(self, table: int) -> int:
         row = self.weights[table][0].numel() + sum(s[0].numel() for s in self.states[table])
         return 4 * row
+
+
+class MmapStore(HostStore):
+    """Every row of every table, with its optimizer state, in files on disk, mapped.
+
+    The weight (and state) tensors are views of :class:`~torchrec_lookahead.disk.StoreFiles`
+    tensors: the module's parameters under the unsharded module, the store
+    TBE's buffers under DMP. Gathers and scatters are those of
+    :class:`HostStore` on the mappings; the kernel pages rows in and writes
+    them back. :meth:`read_ahead` starts the disk reads of rows a coming step
+    may fetch, as soon as its batch enters the window.
+
+    Args:
+        files: the store's files.
+        names: table names, for the files of optimizer state made by
+            :meth:`allocate_states`.
+        weights, states: views of ``files`` tensors, per table.
+    """
+
+    reads_ahead = True
+
+    def __init__(
+        self,
+        files: StoreFiles,
+        names: Sequence[str],
+        weights: Sequence[torch.Tensor],
+        states: Sequence[Sequence[torch.Tensor]] | None = None,
+    ) -> None:
+        super().__init__(weights, pin=False, states=states)
+        self.files = files
+        self._names = list(names)
+        self._regions: dict[int, list[tuple[int, int, int]]] = {}  # table -> (fd, base, row bytes)
+
+    def _zeros(self, table: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.files.tensor(f"{self._names[table]}.state{index}", shape)
+
+    def read_ahead(self, table: int, ids: np.ndarray) -> None:
+        if table not in self._regions:
+            self._regions[table] = [
+                (*self.files.region(tensor), 4 * tensor[0].numel())
+                for tensor in (self.weights[table], *self.states[table])
+            ]
+        rows = np.sort(ids)
+        for fd, base, row_bytes in self._regions[table]:
+            self.files.read_ahead(fd, base, rows, row_bytes)

@@ -1,0 +1,133 @@
+"""The disk store: tables and optimizer state in mapped files, trained exactly like in RAM.
+
+Training with ``store_dir`` must equal training with every row resident
+(and so with the in-memory store), bitwise, for the three CPU optimizers;
+the files must hold the same initial values ``EmbeddingBagCollection`` gives
+for the same seed; bad directories and store files are refused with errors
+naming the path, before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from models import (
+    assert_same_training_state,
+    batches,
+    lookahead_model,
+    reference_twin,
+    train_lookahead,
+    train_reference,
+)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+import torchrec_lookahead.modules as modules
+from torchrec_lookahead import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.disk import StoreFiles, advise_rows
+
+DATA = batches(60)
+
+
+def tables(sizes=((1001, 8), (7, 1), (333, 4))) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f{i}"])
+        for i, (n, d) in enumerate(sizes)
+    ]
+
+
+def test_store_files_hold_what_embedding_bag_collection_initialises(tmp_path, monkeypatch):
+    monkeypatch.setattr(modules, "DRAW_CHUNK", 64)  # several chunks per table, odd remainders
+    torch.manual_seed(3)
+    plain = EmbeddingBagCollection(tables=tables())
+    after_plain = torch.rand(4)
+    torch.manual_seed(3)
+    on_disk = LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
+    assert torch.equal(torch.rand(4), after_plain), "the generator must end where it would"
+    for key, value in plain.state_dict().items():
+        assert torch.equal(on_disk.state_dict()[key], value), key
+    stored = torch.from_file(str(tmp_path / "t0.weight.f32"), size=1001 * 8).view(1001, 8)
+    assert torch.equal(stored, plain.state_dict()["embedding_bags.t0.weight"])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_training_on_disk_matches_all_resident_training(optimizer, tmp_path):
+    model = lookahead_model(optimizer, cache_load_factor=0.1, store_dir=tmp_path)
+    twin = reference_twin(model, optimizer)
+    expected = train_reference(twin, DATA)
+    outputs, pipeline = train_lookahead(model, DATA, 8, 1)
+    for step, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert torch.equal(got, want), f"step {step} output differs"
+    assert_same_training_state(model, twin)
+    metrics = pipeline.cache_metrics()["total"]
+    assert metrics.rows_written_back > 0 and metrics.misses < metrics.unique_ids
+    # The store is the files: what state_dict() returns is read back from disk.
+    state = model.unweighted.state_dict()["embedding_bags.t2.weight"]
+    on_disk = torch.from_file(str(tmp_path / "t0" / "t2.weight.f32"), size=state.numel())
+    assert torch.equal(on_disk.view_as(state), state)
+    if optimizer != "sgd":
+        assert (tmp_path / "t0" / "t2.state0.f32").exists()
+
+
+def test_state_dicts_are_interchangeable_with_plain_torchrec(tmp_path):
+    torch.manual_seed(0)
+    on_disk = LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
+    plain = EmbeddingBagCollection(tables=tables())  # other values (the generator moved on)
+    on_disk.load_state_dict(plain.state_dict())
+    for key, value in plain.state_dict().items():
+        assert torch.equal(on_disk.state_dict()[key], value), key
+    torch.nn.init.zeros_(on_disk.embedding_bags["t1"].weight)
+    plain.load_state_dict(on_disk.state_dict())
+    assert not plain.embedding_bags["t1"].weight.any()
+
+
+def test_a_missing_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not an existing directory"):
+        LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path / "missing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="not an existing directory"):
+        LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path / "file")
+
+
+def test_a_directory_in_use_is_refused(tmp_path):
+    first = LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
+    with pytest.raises(ValueError, match="in use by another process"):
+        LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
+    assert first.embedding_bags["t0"].weight.shape == (1001, 8)
+
+
+def test_a_store_of_another_model_or_damaged_is_refused(tmp_path):
+    StoreFiles(tmp_path).tensor("t0.weight", (10, 8))  # then released with the object
+    with pytest.raises(ValueError, match="t0.weight.f32.*another model"):
+        LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
+    os.truncate(tmp_path / "t0.weight.f32", 100)
+    with pytest.raises(ValueError, match="t0.weight.f32.*damaged"):
+        LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
+    (tmp_path / "layout.json").write_text(json.dumps({"t0.weight": [10, 8]}))
+    os.truncate(tmp_path / "t0.weight.f32", 320)  # whole again: the store opens
+    StoreFiles(tmp_path)
+
+
+def test_a_store_larger_than_the_free_disk_is_refused_before_writing(tmp_path):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    rows = free // (4 * 64) + 1
+    huge = [EmbeddingBagConfig(name="big", embedding_dim=64, num_embeddings=rows,
+                               feature_names=["f"])]  # fmt: skip
+    with pytest.raises(OSError, match="no space for store file .*big.weight.f32"):
+        LookaheadEmbeddingBagCollection(tables=huge, store_dir=tmp_path)
+    assert not (tmp_path / "big.weight.f32").exists()
+
+
+def test_read_ahead_advises_each_run_of_pages_once(tmp_path):
+    files = StoreFiles(tmp_path)
+    table = files.tensor("t", (4096, 64))  # 256-byte rows: 16 per 4 KiB page
+    fd, base = files.region(table[100:])
+    assert base == 100 * 256
+    rows = torch.tensor([0, 1, 15, 16, 40, 1000]).numpy()
+    # table rows 100+r start at byte 256 * (100+r): pages 6, 6, 7, 7, 8 (one run), 68
+    assert advise_rows(fd, base, rows, 256, 4096, os.POSIX_FADV_WILLNEED) == 2
+    assert advise_rows(fd, base, rows[:2], 256, 4096, os.POSIX_FADV_WILLNEED) == 1
+    files.close()

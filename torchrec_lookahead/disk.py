@@ -1,0 +1,265 @@
+"""Store files: tables and optimizer state in files under one directory, mapped into memory.
+
+Each tensor of a disk store is one file of float32 rows, preallocated with
+``posix_fallocate`` (so a full disk fails at creation, naming the file, and
+never later as a SIGBUS on a page written through the mapping) and mapped
+``MAP_SHARED`` with ``torch.from_file``. Pages of a shared file mapping are
+page cache, not the process's private (anonymous) memory: the kernel reads
+them in on demand, writes dirty ones back behind the process, and drops clean
+ones under memory pressure, so a table larger than RAM costs no RAM of its
+own. A write through the mapping is seen by every later read at once (one
+page cache), and reaches the file even if the process dies.
+
+``layout.json`` records each file's shape. Opening a directory checks every
+file it records (a file of another size is a damaged store: refused, naming
+it), and a tensor asked for under a recorded name with another shape is
+refused too, so a store is never silently reused for another model.
+A lock file keeps a second process out of the directory.
+
+Reads ahead: :meth:`StoreFiles.read_ahead` hands rows to a reader thread,
+which asks the kernel to start reading their pages (``POSIX_FADV_WILLNEED``,
+one call per run of pages, in a compiled loop). The call returns once the
+reads are queued, so one thread keeps the disk's queue deep; the rows' later
+gather then finds them in the page cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import queue
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+from numba import njit, types
+
+__all__ = ["StoreFiles", "anonymous_rss_bytes"]
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_LAYOUT = "layout.json"
+_WILLNEED = os.POSIX_FADV_WILLNEED
+_posix_fadvise = types.ExternalFunction(
+    "posix_fadvise", types.int32(types.int32, types.int64, types.int64, types.int32)
+)
+
+
+@njit(nogil=True, cache=True)
+def advise_rows(
+    fd: int, base: int, rows: np.ndarray, row_bytes: int, page: int, advice: int
+) -> int:
+    """``posix_fadvise`` the pages of ``rows`` (sorted) of a table at byte ``base`` of a file,
+    one call per run of adjacent pages; returns the number of calls."""
+    calls = 0
+    run_start = -1
+    run_end = -2  # last page of the current run
+    for row in rows:
+        first = (base + row * row_bytes) // page
+        last = (base + row * row_bytes + row_bytes - 1) // page
+        if first <= run_end + 1:
+            run_end = max(run_end, last)
+            continue
+        if run_start >= 0:
+            _posix_fadvise(fd, run_start * page, (run_end - run_start + 1) * page, advice)
+            calls += 1
+        run_start, run_end = first, last
+    if run_start >= 0:
+        _posix_fadvise(fd, run_start * page, (run_end - run_start + 1) * page, advice)
+        calls += 1
+    return calls
+
+
+def anonymous_rss_bytes() -> int:
+    """This process's private resident memory (``RssAnon``), or -1 where not on Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+class StoreFiles:
+    """The files of one disk store: float32 tensors mapped from files in ``directory``.
+
+    Args:
+        directory: an existing, writable directory (``create_subdir`` makes one
+            level below it, e.g. a rank's own).
+        read_ahead_jobs: read-ahead requests that may wait for the reader
+            thread; more are dropped (reading ahead is advice, never needed
+            for correctness).
+    """
+
+    def __init__(self, directory: str | os.PathLike, read_ahead_jobs: int = 256) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise ValueError(f"store_dir {str(self.directory)!r} is not an existing directory")
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise ValueError(f"store_dir {str(self.directory)!r} is not writable")
+        self._lock = open(self.directory / ".lock", "w")  # noqa: SIM115 (held while open)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(
+                f"store_dir {str(self.directory)!r} is in use by another process"
+            ) from None
+        self._layout: dict[str, list[int]] = self._read_layout()
+        self._tensors: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, fd)
+        self._jobs: queue.Queue = queue.Queue(read_ahead_jobs)
+        self.read_ahead_dropped = 0
+        self._reader: threading.Thread | None = None
+
+    @staticmethod
+    def create_subdir(directory: str | os.PathLike, name: str) -> StoreFiles:
+        """The store in ``directory/name``, made if missing (``directory`` must exist)."""
+        parent = Path(directory)
+        if not parent.is_dir():
+            raise ValueError(f"store_dir {str(parent)!r} is not an existing directory")
+        (parent / name).mkdir(exist_ok=True)
+        return StoreFiles(parent / name)
+
+    # ------------------------------------------------------------ files
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The zero-filled tensor ``name`` of ``shape``, in a new file (an old one is
+        replaced: a store holds training state, not a checkpoint)."""
+        if name in self._tensors:
+            raise ValueError(f"store tensor {name!r} was already made")
+        path = self.directory / f"{name}.f32"
+        recorded = self._layout.get(name)
+        if recorded is not None and list(recorded) != list(shape):
+            raise ValueError(
+                f"store file {str(path)!r} holds a tensor of shape {recorded}, not {list(shape)}: "
+                "the directory belongs to another model; use an empty directory"
+            )
+        numel = int(np.prod(shape, dtype=np.int64))
+        if self._layout.pop(name, None) is not None:
+            self._write_layout()  # a crash while the file is remade leaves no stale record
+        old = path.stat().st_size if path.exists() else 0
+        if 4 * numel > _free_bytes(self.directory) + old:
+            raise _no_space(path, numel)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.ftruncate(fd, 0)  # drop old contents: the new file reads as zeros
+            if numel:
+                os.posix_fallocate(fd, 0, 4 * numel)
+        except OSError as error:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if error.errno == errno.ENOSPC:
+                raise _no_space(path, numel) from error
+            raise
+        self._layout[name] = list(shape)
+        self._write_layout()
+        mapped = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32)
+        mapped = mapped.view(shape)
+        self._tensors[name] = (mapped, fd)
+        return mapped
+
+    def region(self, view: torch.Tensor) -> tuple[int, int]:
+        """``(fd, byte offset)`` of the first element of ``view``, a view of a store tensor."""
+        address = view.data_ptr()
+        for tensor, fd in self._tensors.values():
+            start = tensor.data_ptr()
+            if start <= address < start + 4 * tensor.numel():
+                return fd, address - start
+        raise ValueError("the tensor is not a view of this store's files")
+
+    def sync(self) -> None:
+        """Write every dirty page of the store's files to disk."""
+        for _, fd in self._tensors.values():
+            os.fsync(fd)
+
+    def drop_page_cache(self) -> None:
+        """Write the files out and drop their pages from the page cache (a cold start)."""
+        for tensor, fd in self._tensors.values():
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 4 * tensor.numel(), os.POSIX_FADV_DONTNEED)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(4 * tensor.numel() for tensor, _ in self._tensors.values())
+
+    # ------------------------------------------------------------ reading ahead
+
+    def read_ahead(self, fd: int, base: int, rows: np.ndarray, row_bytes: int) -> None:
+        """Ask for rows (sorted) of a table at byte ``base`` of file ``fd`` to be read in
+        soon, on the reader thread; returns at once."""
+        if not len(rows):
+            return
+        if self._reader is None:
+            self._reader = threading.Thread(
+                target=_read, args=(self._jobs,), name="store-reader", daemon=True
+            )
+            self._reader.start()
+            weakref.finalize(self, self._jobs.put, None)  # the thread ends with the store
+        try:
+            self._jobs.put_nowait((fd, base, rows, row_bytes))
+        except queue.Full:
+            self.read_ahead_dropped += 1
+
+    def close(self) -> None:
+        """Stop the reader and release the directory (mapped tensors stay valid)."""
+        if self._reader is not None:
+            self._jobs.put(None)
+            self._reader.join()
+            self._reader = None
+        for _, fd in self._tensors.values():
+            os.close(fd)
+        self._tensors.clear()
+        self._lock.close()
+
+    # ------------------------------------------------------------ layout
+
+    def _read_layout(self) -> dict[str, list[int]]:
+        path = self.directory / _LAYOUT
+        if not path.exists():
+            return {}
+        try:
+            layout = json.loads(path.read_text())
+        except ValueError as error:
+            raise ValueError(f"store layout {str(path)!r} is not valid JSON: {error}") from None
+        for name, shape in layout.items():
+            file = self.directory / f"{name}.f32"
+            want = 4 * int(np.prod(shape, dtype=np.int64))
+            have = file.stat().st_size if file.exists() else None
+            if have != want:
+                raise ValueError(
+                    f"store file {str(file)!r} is {'missing' if have is None else f'{have} bytes'}"
+                    f", its layout says {want} bytes: the store is damaged; use an empty directory"
+                )
+        return layout
+
+    def _write_layout(self) -> None:
+        path = self.directory / _LAYOUT
+        partial = path.with_suffix(".json.tmp")
+        partial.write_text(json.dumps(self._layout, indent=1))
+        os.replace(partial, path)
+
+
+def _read(jobs: queue.Queue) -> None:
+    """The reader thread: queue the reads of each job's pages, until ``None``."""
+    while (job := jobs.get()) is not None:
+        fd, base, rows, row_bytes = job
+        advise_rows(fd, base, rows, row_bytes, PAGE, _WILLNEED)
+
+
+def _no_space(path: Path, numel: int) -> OSError:
+    free = _free_bytes(path.parent)
+    return OSError(
+        errno.ENOSPC,
+        f"no space for store file {str(path)!r}: it needs {4 * numel / 1e9:.2f} GB, "
+        f"{free / 1e9:.2f} GB are free",
+    )
+
+
+def _free_bytes(directory: Path) -> int:
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
