@@ -63,3 +63,15 @@ def test_rank_to_id_is_a_permutation() -> None:
 def test_bad_settings_are_refused(kwargs) -> None:
     with pytest.raises(ValueError):
         SyntheticCriteo(**kwargs)
+
+
+def test_huge_tables_draw_the_same_law_without_per_row_memory(monkeypatch) -> None:
+    exact = ZipfSampler(100_000, 1.1)
+    monkeypatch.setattr(ZipfSampler, "EXACT_ROWS", 100)  # the tail beyond rank 100 is inverted
+    split = ZipfSampler(100_000, 1.1)
+    assert len(split.cdf) == 100
+    a = exact.sample_ranks(np.random.default_rng(0), 400_000)
+    b = split.sample_ranks(np.random.default_rng(1), 400_000)
+    assert b.min() >= 0 and b.max() < 100_000
+    for top in (1, 100, 1_000, 10_000, 50_000):  # share of draws among the hottest ranks
+        assert abs((a < top).mean() - (b < top).mean()) < 0.005, top

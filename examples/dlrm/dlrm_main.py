@@ -66,6 +66,7 @@ from torchrec_lookahead import (  # noqa: E402
     LookaheadTrainPipeline,
 )
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo  # noqa: E402
+from torchrec_lookahead.disk import anonymous_rss_bytes  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lookahead", type=int, default=16)
     p.add_argument("--prefetch_distance", type=int, default=1)
     p.add_argument("--cache_load_factor", type=float, default=0.1)
+    p.add_argument("--store_dir", type=str, default=None,
+                   help="keep the full tables in files in this existing directory "
+                        "(for tables larger than RAM); one subdirectory per rank")  # fmt: skip
     p.add_argument("--baseline", action="store_true", help="also train plain TorchRec and compare")
     p.add_argument(
         "--plan_cache_sizes",
@@ -318,7 +322,8 @@ def build(args, lookahead: bool, world_size: int, device: torch.device, planner=
         # A table whose share is below what the window touches gets that at the first
         # batch (small tables are cached whole): no setting is too small for the window.
         ebc = LookaheadEmbeddingBagCollection(tables(args), device=meta,
-                                              cache_load_factor=args.cache_load_factor)  # fmt: skip
+                                              cache_load_factor=args.cache_load_factor,
+                                              store_dir=args.store_dir)  # fmt: skip
         sharders = [LookaheadEmbeddingBagCollectionSharder()]
     else:
         ebc = EmbeddingBagCollection(tables(args), device=meta)
@@ -373,6 +378,7 @@ class Run:
     auroc: dict[str, float] = field(default_factory=dict)
     cache: dict[str, float] = field(default_factory=dict)
     checkpoint_stall_s: list[float] = field(default_factory=list)  # per save, slowest rank
+    private_mb: float = 0.0  # the most anonymous RSS seen (sampled every 20 steps), rank 0
 
 
 def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start_step: int,
@@ -418,6 +424,7 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
         if lookahead and step == start_step + 1:
             first_stage_s = pipeline.timings["stage_s"]
         if step % 20 == 1:  # the cache counters are summed over tables: not every step
+            run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
             postfix = {"samples/s": f"{args.batch_size * world_size / elapsed:,.0f}"}
             if lookahead:
                 postfix["hit rate"] = f"{pipeline.cache_metrics()['total'].hit_rate:.3f}"
@@ -427,6 +434,7 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
         if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
             checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step))
     bar.close()
+    run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
     if lookahead:
         run.hit_rate = pipeline.hit_rates()
         metrics = pipeline.cache_metrics()["total"]
@@ -565,6 +573,7 @@ def cells(run: Run) -> dict[str, str]:
         "executor wait ms / step": f"{cache['executor_wait_ms_per_step']:.2f}" if cache else "-",
         "planning ms / step": f"{cache['planning_ms_per_step']:.2f}" if cache else "-",
         "plan wait ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
+        "private memory MB": f"{run.private_mb:,.0f}",
         "checkpoint stall ms / save": (
             f"{1000 * statistics.median(run.checkpoint_stall_s):.1f}"
             if run.checkpoint_stall_s

@@ -34,8 +34,15 @@ class ZipfSampler:
     The row of popularity rank ``r`` (0 = hottest) is drawn with probability
     proportional to ``(r + 1) ** -exponent``. Ranks map to ids by a fixed
     affine permutation, so hot rows are spread over the table as hashed ids are.
-    Memory: one float64 per row (the cumulative distribution).
+    Memory: one float64 per row (the cumulative distribution), up to
+    ``EXACT_ROWS`` rows. Larger tables (those of disk stores, which must not
+    cost memory per row) keep it for the hottest ``EXACT_ROWS`` ranks only and
+    draw the tail by inverting the continuous law ``x ** -exponent`` on
+    ``[EXACT_ROWS + 0.5, num_rows + 0.5)`` (the midpoint rule: within a
+    fraction of a percent of the exact law there, and fixed memory).
     """
+
+    EXACT_ROWS = 1 << 22
 
     def __init__(self, num_rows: int, exponent: float, salt: int = 0) -> None:
         if num_rows < 1:
@@ -44,8 +51,10 @@ class ZipfSampler:
             raise ValueError(f"exponent must be >= 0, got {exponent}")
         self.num_rows = num_rows
         self.exponent = exponent
-        cdf = np.cumsum(np.arange(1, num_rows + 1, dtype=np.float64) ** -exponent)
-        self.cdf = cdf / cdf[-1]
+        head = min(num_rows, self.EXACT_ROWS)
+        cdf = np.cumsum(np.arange(1, head + 1, dtype=np.float64) ** -exponent)
+        tail = _power_integral(head + 0.5, num_rows + 0.5, exponent) if head < num_rows else 0.0
+        self.cdf = cdf / (cdf[-1] + tail)  # the head's cumulative share; the tail has the rest
         multiplier = int(num_rows * 0.6180339887) | 1
         while math.gcd(multiplier, num_rows) != 1:
             multiplier += 2
@@ -56,11 +65,33 @@ class ZipfSampler:
         return (ranks * self._multiplier + self._offset) % self.num_rows
 
     def sample_ranks(self, rng: np.random.Generator, size: int) -> np.ndarray:
-        ranks = np.searchsorted(self.cdf, rng.random(size), side="right")
+        u = rng.random(size)
+        ranks = np.searchsorted(self.cdf, u, side="right")
+        in_tail = ranks >= len(self.cdf)
+        if in_tail.any():  # u beyond the head's share: invert the tail's integral
+            head = self.cdf[-1]
+            share = (u[in_tail] - head) / (1.0 - head)
+            x = _power_inverse(len(self.cdf) + 0.5, self.num_rows + 0.5, self.exponent, share)
+            ranks[in_tail] = np.floor(x - 0.5).astype(np.int64)  # x in [r+0.5, r+1.5): rank r
         return np.minimum(ranks, self.num_rows - 1)
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
         return self.rank_to_id(self.sample_ranks(rng, size))
+
+
+def _power_integral(a: float, b: float, s: float) -> float:
+    """The integral of ``x ** -s`` over ``[a, b]``."""
+    if s == 1.0:
+        return math.log(b / a)
+    return (b ** (1 - s) - a ** (1 - s)) / (1 - s)
+
+
+def _power_inverse(a: float, b: float, s: float, share: np.ndarray) -> np.ndarray:
+    """``x`` in ``[a, b]`` with ``share`` of the integral of ``x ** -s`` on ``[a, b]`` below it."""
+    if s == 1.0:
+        return a * (b / a) ** share
+    lo, hi = a ** (1 - s), b ** (1 - s)
+    return (lo + share * (hi - lo)) ** (1 / (1 - s))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,198 @@
+"""The disk store against the in-memory store, and tables larger than this machine's RAM.
+
+Unsharded DLRM over 26 Criteo-shaped tables (Zipf ids), fused row-wise
+Adagrad, trained through ``LookaheadTrainPipeline`` on this machine's CPU.
+
+* ``--part fits``: a table set that fits in RAM, with the full tables in host
+  memory or in a disk store (``store_dir``) whose page cache is dropped after
+  initialisation, so rows come from disk. Cache 5% per table, lookahead 16
+  and 64; the runs alternate (memory, disk, disk without reading ahead) in
+  blocks, --repeats times; median step time of each, and its ratio to memory.
+* ``--part huge``: tables (rows + optimizer state) of --huge-gb on disk, more
+  than RAM: samples/s, hit rate, the process's disk reads and writes
+  (``/proc/self/io``), executor wait per step (read latency not hidden by
+  the window shows up there) and the largest private memory (``RssAnon``)
+  seen. The files are removed afterwards.
+
+Prints a table and writes ``report.json`` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import machine
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from tqdm import tqdm
+
+from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
+from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
+from torchrec_lookahead.disk import anonymous_rss_bytes
+from torchrec_lookahead.store import MmapStore
+
+
+def process_io() -> dict[str, int]:
+    """Bytes this process read from and wrote to storage so far."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {"read": int(fields["read_bytes"]), "written": int(fields["write_bytes"])}
+
+
+def build(data: SyntheticCriteo, dim: int, cache_load_factor: float, store_dir: Path | None):
+    """The DLRM and its pipeline parts; returns (model, module, seconds to build)."""
+    tables = [
+        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=rows,
+                           feature_names=[name])
+        for name, rows in zip(feature_names(data), data.num_embeddings)
+    ]  # fmt: skip
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    ebc = LookaheadEmbeddingBagCollection(tables, cache_load_factor=cache_load_factor,
+                                          store_dir=store_dir)  # fmt: skip
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
+    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+                dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 1])  # fmt: skip
+    model = DLRMTrain(dlrm)
+    return model, ebc, time.perf_counter() - start
+
+
+def train(model, ebc, data, args, lookahead: int, steps: int, desc: str) -> dict:
+    """Trains ``steps`` batches; what the run measured."""
+    dense = [*model.model.dense_arch.parameters(), *model.model.over_arch.parameters()]
+    pipeline = LookaheadTrainPipeline(model, torch.optim.SGD(dense, lr=0.1), torch.device("cpu"),
+                                      lookahead=lookahead)  # fmt: skip
+    batches = (criteo_batch(data, s, args.batch_size) for s in range(steps))
+    io_before, times, private = process_io(), [], anonymous_rss_bytes()
+    for _ in tqdm(range(steps), desc=desc, unit="step", disable=None, leave=False):
+        start = time.perf_counter()
+        pipeline.progress(batches)
+        times.append(time.perf_counter() - start)
+        private = max(private, anonymous_rss_bytes())
+    io_after = process_io()
+    pipeline.close()
+    metrics = pipeline.cache_metrics()["total"]
+    steady = times[args.warmup :]
+    return {
+        "step_ms": 1000 * statistics.median(steady),
+        "samples_per_s": args.batch_size * len(steady) / sum(steady),
+        "hit_rate": metrics.hit_rate,
+        "executor_wait_ms_per_step": 1000 * metrics.wait_s / max(metrics.steps, 1),
+        "disk_read_mb_per_s": (io_after["read"] - io_before["read"]) / 1e6 / sum(times),
+        "disk_written_mb_per_s": (io_after["written"] - io_before["written"]) / 1e6 / sum(times),
+        "private_mb": private / 2**20,
+    }
+
+
+STORES = ("memory", "disk", "disk, no read-ahead")
+
+
+def part_fits(args) -> list[dict]:
+    data = SyntheticCriteo(scale=args.scale, seed=1)
+    runs = []
+    for repeat in range(args.repeats):
+        for lookahead in (16, 64):
+            for store in STORES:
+                folder = Path(tempfile.mkdtemp(dir=args.store_dir)) if store != "memory" else None
+                model, ebc, _ = build(data, args.dim, 0.05, folder)
+                if folder is not None:
+                    ebc._store_files.drop_page_cache()
+                MmapStore.reads_ahead = store != "disk, no read-ahead"
+                desc = f"fits {store} L={lookahead} #{repeat + 1}"
+                run = train(model, ebc, data, args, lookahead, args.steps, desc)
+                runs.append({"store": store, "lookahead": lookahead, "repeat": repeat, **run})
+                del model, ebc
+                if folder is not None:
+                    shutil.rmtree(folder)
+    return runs
+
+
+def part_huge(args) -> dict:
+    row_bytes = 4 * (args.dim + 1)  # weights and the row-wise Adagrad state
+    base = SyntheticCriteo()
+    scale = args.huge_gb * 1e9 / row_bytes / sum(base.num_embeddings)
+    data = SyntheticCriteo(scale=scale, seed=1)
+    folder = Path(tempfile.mkdtemp(dir=args.store_dir))
+    free = shutil.disk_usage(folder).free
+    need = sum(data.num_embeddings) * row_bytes
+    if need > free:
+        shutil.rmtree(folder)
+        where = args.store_dir or tempfile.gettempdir()
+        raise SystemExit(f"--huge-gb {args.huge_gb}: {need / 1e9:.1f} GB needed in {where}, "
+                         f"{free / 1e9:.1f} GB free")  # fmt: skip
+    try:
+        model, ebc, built_s = build(data, args.dim, args.huge_cache, folder)
+        ebc._store_files.drop_page_cache()
+        run = train(model, ebc, data, args, 64, args.huge_steps, "huge")
+        rows = sum(data.num_embeddings)
+        return {"rows": rows, "store_gb": need / 1e9, "init_s": built_s,
+                "ram_gb": _ram_bytes() / 1e9, **run}  # fmt: skip
+    finally:
+        shutil.rmtree(folder)
+
+
+def _ram_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--part", choices=["fits", "huge", "both"], default="both")
+    p.add_argument("--scale", type=float, default=0.1, help="Criteo Kaggle sizes times this")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of step times")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--huge-gb", type=float, default=40.0, help="rows + state on disk")
+    p.add_argument("--huge-cache", type=float, default=0.01, help="cache load factor")
+    p.add_argument("--huge-steps", type=int, default=300)
+    p.add_argument("--store-dir", type=str, default=None, help="where the store files go")
+    p.add_argument("--out", type=str, default="results/disk_store")
+    args = p.parse_args()
+    report = {"machine": machine(), "config": vars(args)}
+    if args.part in ("fits", "both"):
+        report["fits"] = part_fits(args)
+        print(f"\nfits in RAM: scale {args.scale}, dim {args.dim}, batch {args.batch_size}, "
+              f"cache 5%, median of {args.repeats} runs (page cache dropped first)")  # fmt: skip
+        print(f"{'L':>4}{'store':>22}{'step ms':>10}{'/ memory':>10}{'wait ms':>10}"
+              f"{'read MB/s':>11}")  # fmt: skip
+        for lookahead in (16, 64):
+            of = {s: [r for r in report["fits"] if r["lookahead"] == lookahead and r["store"] == s]
+                  for s in STORES}  # fmt: skip
+            for store, runs in of.items():
+                ratio = statistics.median(
+                    r["step_ms"] / m["step_ms"] for r, m in zip(runs, of["memory"])
+                )
+                keys = ("step_ms", "executor_wait_ms_per_step", "disk_read_mb_per_s")
+                cells = [statistics.median(r[k] for r in runs) for k in keys]
+                print(f"{lookahead:>4}{store:>22}{cells[0]:>10.1f}{ratio:>10.3f}{cells[1]:>10.2f}"
+                      f"{cells[2]:>11.1f}")  # fmt: skip
+    if args.part in ("huge", "both"):
+        huge = report["huge"] = part_huge(args)
+        print(f"\nlarger than RAM: {huge['rows']:,} rows, {huge['store_gb']:.1f} GB on disk, "
+              f"{huge['ram_gb']:.1f} GB RAM, cache {args.huge_cache:.0%}, L=64, "
+              f"built in {huge['init_s']:.0f} s")  # fmt: skip
+        for key in ("samples_per_s", "hit_rate", "step_ms", "executor_wait_ms_per_step",
+                    "disk_read_mb_per_s", "disk_written_mb_per_s", "private_mb"):  # fmt: skip
+            print(f"{key:>28}  {huge[key]:,.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'report.json'}")
+
+
+if __name__ == "__main__":
+    main()
