@@ -290,9 +290,10 @@ class CachedTables:
         L + d steps before they are needed, so disk latency hides behind the
         window; a row evicted before its step comes is read again on demand.
         """
-        for pool, oracle, batch in zip(self.pools, self._oracles, prepared.batches):
-            for table, rows, _ in pool.by_table(oracle.absent(batch)):
-                self.cache.store.read_ahead(table, rows)
+        rows = [(table, ids)
+                for pool, oracle, batch in zip(self.pools, self._oracles, prepared.batches)
+                for table, ids, _ in pool.by_table(oracle.absent(batch))]  # fmt: skip
+        self.cache.store.read_ahead(rows)
 
     def _planner(self, slots: int, num_rows: int) -> CachePlanner:
         w = self._window

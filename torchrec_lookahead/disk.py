@@ -44,7 +44,7 @@ __all__ = ["StoreFiles", "anonymous_rss_bytes"]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _LAYOUT = "layout.json"
 _libc = ctypes.CDLL(None, use_errno=True)
-_MADV_DONTNEED = 4  # <sys/mman.h>
+_MADV_RANDOM, _MADV_DONTNEED = 1, 4  # <sys/mman.h>
 _WILLNEED = os.POSIX_FADV_WILLNEED
 _posix_fadvise = types.ExternalFunction(
     "posix_fadvise", types.int32(types.int32, types.int64, types.int64, types.int32)
@@ -94,9 +94,9 @@ class StoreFiles:
     Args:
         directory: an existing, writable directory (``create_subdir`` makes one
             level below it, e.g. a rank's own).
-        read_ahead_jobs: read-ahead requests that may wait for the reader
-            thread; more are dropped (reading ahead is advice, never needed
-            for correctness).
+        read_ahead_jobs: read-ahead requests (one per batch entering the
+            window) that may wait for the reader thread; more are dropped
+            (reading ahead is advice, never needed for correctness).
     """
 
     def __init__(self, directory: str | os.PathLike, read_ahead_jobs: int = 256) -> None:
@@ -162,6 +162,8 @@ class StoreFiles:
         self._layout[name] = list(shape)
         self._write_layout()
         mapped = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32)
+        if numel:  # no read-around on faults: read_ahead asks for exactly the pages needed
+            _madvise(mapped, _MADV_RANDOM)
         mapped = mapped.view(shape)
         self._tensors[name] = (mapped, fd)
         return mapped
@@ -185,9 +187,7 @@ class StoreFiles:
         for tensor, fd in self._tensors.values():
             # Unmap the pages from this process first (their dirty bits go to the page
             # cache): the kernel keeps pages that are mapped.
-            start, length = ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(4 * tensor.numel())
-            if _libc.madvise(start, length, _MADV_DONTNEED) != 0:
-                raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
+            _madvise(tensor, _MADV_DONTNEED)
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 4 * tensor.numel(), os.POSIX_FADV_DONTNEED)
 
@@ -197,10 +197,13 @@ class StoreFiles:
 
     # ------------------------------------------------------------ reading ahead
 
-    def read_ahead(self, fd: int, base: int, rows: np.ndarray, row_bytes: int) -> None:
-        """Ask for rows (sorted) of a table at byte ``base`` of file ``fd`` to be read in
-        soon, on the reader thread; returns at once."""
-        if not len(rows):
+    def read_ahead(self, regions: list[tuple[int, int, np.ndarray, int]]) -> None:
+        """Ask for rows to be read in soon, on the reader thread; returns at once.
+
+        ``regions``: ``(fd, base, rows, row_bytes)`` for each table tensor, its
+        rows (sorted) of ``row_bytes`` each starting at byte ``base`` of file ``fd``.
+        """
+        if not regions:
             return
         if self._reader is None:
             self._reader = threading.Thread(
@@ -209,7 +212,7 @@ class StoreFiles:
             self._reader.start()
             weakref.finalize(self, self._jobs.put, None)  # the thread ends with the store
         try:
-            self._jobs.put_nowait((fd, base, rows, row_bytes))
+            self._jobs.put_nowait(regions)
         except queue.Full:
             self.read_ahead_dropped += 1
 
@@ -252,11 +255,18 @@ class StoreFiles:
         os.replace(partial, path)
 
 
+def _madvise(mapped: torch.Tensor, advice: int) -> None:
+    """``madvise`` the whole mapping behind ``mapped`` (a store tensor, page-aligned)."""
+    start, length = ctypes.c_void_p(mapped.data_ptr()), ctypes.c_size_t(4 * mapped.numel())
+    if _libc.madvise(start, length, advice) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise({advice}) failed on a store mapping")
+
+
 def _read(jobs: queue.Queue) -> None:
     """The reader thread: queue the reads of each job's pages, until ``None``."""
-    while (job := jobs.get()) is not None:
-        fd, base, rows, row_bytes = job
-        advise_rows(fd, base, rows, row_bytes, PAGE, _WILLNEED)
+    while (regions := jobs.get()) is not None:
+        for fd, base, rows, row_bytes in regions:
+            advise_rows(fd, base, rows, row_bytes, PAGE, _WILLNEED)
 
 
 def _no_space(path: Path, numel: int) -> OSError:

@@ -35,8 +35,8 @@ class HostStore:
         self.states = [[s.detach() for s in table] for table in states or [[]] * len(weights)]
         self._pin = pin
 
-    def read_ahead(self, table: int, ids: np.ndarray) -> None:
-        """Rows ``ids`` of ``table`` will be gathered soon (a hint; host memory needs none)."""
+    def read_ahead(self, rows: Sequence[tuple[int, np.ndarray]]) -> None:
+        """``(table, ids)``: rows to be gathered soon (a hint; host memory needs none)."""
 
     @property
     def num_tables(self) -> int:
@@ -113,12 +113,14 @@ class MmapStore(HostStore):
     def _zeros(self, table: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
         return self.files.tensor(f"{self._names[table]}.state{index}", shape)
 
-    def read_ahead(self, table: int, ids: np.ndarray) -> None:
-        if table not in self._regions:
-            self._regions[table] = [
-                (*self.files.region(tensor), 4 * tensor[0].numel())
-                for tensor in (self.weights[table], *self.states[table])
-            ]
-        rows = np.sort(ids)
-        for fd, base, row_bytes in self._regions[table]:
-            self.files.read_ahead(fd, base, rows, row_bytes)
+    def read_ahead(self, rows: Sequence[tuple[int, np.ndarray]]) -> None:
+        regions = []
+        for table, ids in rows:
+            if table not in self._regions:
+                self._regions[table] = [
+                    (*self.files.region(tensor), 4 * tensor[0].numel())
+                    for tensor in (self.weights[table], *self.states[table])
+                ]
+            ids = np.sort(ids)
+            regions += [(fd, base, ids, size) for fd, base, size in self._regions[table]]
+        self.files.read_ahead(regions)
