@@ -60,3 +60,19 @@ def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> 
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["statistics_s"] > 0 and len(report["accuracy"]) == 3 and "predicted" in out
     assert all(0 <= a["predicted"] <= 1 and 0 <= a["measured"] <= 1 for a in report["accuracy"])
+
+
+def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "disk_store.py"), "--out", str(tmp_path),
+           "--scale", "0.001", "--batch-size", "64", "--steps", "12", "--warmup", "2",
+           "--repeats", "1", "--huge-gb", "0.02", "--huge-steps", "12",
+           "--store-dir", str(store)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "disk, no read-ahead" in out and "larger than RAM" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["fits"]) == 6 and all(r["step_ms"] > 0 for r in report["fits"])
+    assert report["huge"]["rows"] > 0 and 0 < report["huge"]["hit_rate"] < 1
+    assert report["huge"]["private_mb"] > 0
+    assert not any(store.iterdir()), "the store files must be removed"

@@ -131,3 +131,22 @@ def test_read_ahead_advises_each_run_of_pages_once(tmp_path):
     assert advise_rows(fd, base, rows, 256, 4096, os.POSIX_FADV_WILLNEED) == 2
     assert advise_rows(fd, base, rows[:2], 256, 4096, os.POSIX_FADV_WILLNEED) == 1
     files.close()
+
+
+def test_dcp_checkpoints_are_interchangeable_with_plain_torchrec(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    plain = EmbeddingBagCollection(tables=tables())
+    (tmp_path / "store").mkdir()
+    on_disk = LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path / "store")
+    dcp.save(plain.state_dict(), checkpoint_id=tmp_path / "plain")
+    state = on_disk.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path / "plain")  # in place, into the mapped files
+    for key, value in plain.state_dict().items():
+        assert torch.equal(on_disk.state_dict()[key], value), key
+    torch.nn.init.ones_(on_disk.embedding_bags["t2"].weight)
+    dcp.save(on_disk.state_dict(), checkpoint_id=tmp_path / "disk")
+    back = plain.state_dict()
+    dcp.load(back, checkpoint_id=tmp_path / "disk")
+    assert bool((plain.embedding_bags["t2"].weight == 1).all())
