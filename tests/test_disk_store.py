@@ -53,12 +53,15 @@ def test_store_files_hold_what_embedding_bag_collection_initialises(tmp_path, mo
     assert torch.equal(stored, plain.state_dict()["embedding_bags.t0.weight"])
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
-def test_training_on_disk_matches_all_resident_training(optimizer, tmp_path):
+@pytest.mark.parametrize(
+    ("optimizer", "workers"),
+    [("sgd", 1), ("adagrad", 1), ("rowwise_adagrad", 1), ("rowwise_adagrad", 2)],
+)
+def test_training_on_disk_matches_all_resident_training(optimizer, workers, tmp_path):
     model = lookahead_model(optimizer, cache_load_factor=0.1, store_dir=tmp_path)
     twin = reference_twin(model, optimizer)
     expected = train_reference(twin, DATA)
-    outputs, pipeline = train_lookahead(model, DATA, 8, 1)
+    outputs, pipeline = train_lookahead(model, DATA, 8, 1, planning_workers=workers)
     for step, (got, want) in enumerate(zip(outputs, expected, strict=True)):
         assert torch.equal(got, want), f"step {step} output differs"
     assert_same_training_state(model, twin)
@@ -70,6 +73,8 @@ def test_training_on_disk_matches_all_resident_training(optimizer, tmp_path):
     assert torch.equal(on_disk.view_as(state), state)
     if optimizer != "sgd":
         assert (tmp_path / "t0" / "t2.state0.f32").exists()
+    # The oracles' per-row tables are store files too (one per pool and partition).
+    assert len(list((tmp_path / "t0").glob("oracle.*.i64"))) >= workers
 
 
 def test_state_dicts_are_interchangeable_with_plain_torchrec(tmp_path):
@@ -107,6 +112,10 @@ def test_a_store_of_another_model_or_damaged_is_refused(tmp_path):
     with pytest.raises(ValueError, match="t0.weight.f32.*damaged"):
         LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
     (tmp_path / "layout.json").write_text(json.dumps({"t0.weight": [10, 8]}))
+    with pytest.raises(ValueError, match="layout.json.*not a store's"):
+        StoreFiles(tmp_path)
+    layout = {"t0.weight": {"shape": [10, 8], "dtype": "f32"}}
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
     os.truncate(tmp_path / "t0.weight.f32", 320)  # whole again: the store opens
     StoreFiles(tmp_path)
 

@@ -31,7 +31,7 @@ from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import CachePlan, CachePlanner, OracleCacher
 from torchrec_lookahead.partitioned import PartitionedOracle
 from torchrec_lookahead.pools import slot_pools
-from torchrec_lookahead.store import HostStore
+from torchrec_lookahead.store import HostStore, MmapStore
 
 __all__ = ["CacheSizing", "CachedTables", "PreparedStep", "StepMoves", "Window"]
 
@@ -281,8 +281,7 @@ class CachedTables:
         self._row_bytes = np.array([store.bytes_per_row(t) for t in range(len(self.names))])
         if self._pool_slots() != self.cache.slots:
             self.cache.resize(self._pool_slots())
-        self._oracles = [self._planner(slots, pool.num_rows) for slots, pool in
-                         zip(self.cache.slots, self.pools)]  # fmt: skip
+        self._oracles = [self._planner(slots, p) for p, slots in enumerate(self.cache.slots)]
 
     def _read_ahead(self, prepared: PreparedStep) -> None:
         """Start reading the rows this batch's step may fetch: those not resident now.
@@ -295,12 +294,18 @@ class CachedTables:
                 for table, ids, _ in pool.by_table(oracle.absent(batch))]  # fmt: skip
         self.cache.store.read_ahead(rows)
 
-    def _planner(self, slots: int, num_rows: int) -> CachePlanner:
+    def _planner(self, slots: int, pool: int) -> CachePlanner:
         w = self._window
+        num_rows = self.pools[pool].num_rows
+        row_table = None
+        if isinstance(store := self.cache.store, MmapStore):  # per-row state on disk too
+            row_table = store.row_table(f"oracle.{self.names[self.pools[pool].tables[0]]}.{pool}")
         if w.planning_workers == 1 or slots < 2:
-            return OracleCacher(slots, w.lookahead, w.prefetch_distance, num_rows=num_rows)
+            return OracleCacher(slots, w.lookahead, w.prefetch_distance, num_rows=num_rows,
+                                row_table=row_table)  # fmt: skip
         return PartitionedOracle(slots, w.lookahead, w.prefetch_distance, num_rows=num_rows,
-                                 partitions=min(w.planning_workers, slots))  # fmt: skip
+                                 partitions=min(w.planning_workers, slots),
+                                 row_table=row_table)  # fmt: skip
 
     def _planned(self, plans: list[CachePlan | None]) -> tuple[int, StepMoves] | None:
         if not plans or plans[0] is None:

@@ -1,6 +1,6 @@
 """Store files: tables and optimizer state in files under one directory, mapped into memory.
 
-Each tensor of a disk store is one file of float32 rows, preallocated with
+Each tensor of a disk store is one file of rows, preallocated with
 ``posix_fallocate`` (so a full disk fails at creation, naming the file, and
 never later as a SIGBUS on a page written through the mapping) and mapped
 ``MAP_SHARED`` with ``torch.from_file``. Pages of a shared file mapping are
@@ -45,6 +45,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 _LAYOUT = "layout.json"
 _libc = ctypes.CDLL(None, use_errno=True)
 _MADV_RANDOM, _MADV_DONTNEED = 1, 4  # <sys/mman.h>
+_SUFFIX = {torch.float32: "f32", torch.int64: "i64"}  # file name suffix of each dtype
 _WILLNEED = os.POSIX_FADV_WILLNEED
 _posix_fadvise = types.ExternalFunction(
     "posix_fadvise", types.int32(types.int32, types.int64, types.int64, types.int32)
@@ -89,7 +90,8 @@ def anonymous_rss_bytes() -> int:
 
 
 class StoreFiles:
-    """The files of one disk store: float32 tensors mapped from files in ``directory``.
+    """The files of one disk store: tensors (float32 rows, int64 oracle tables) mapped
+    from files in ``directory``.
 
     Args:
         directory: an existing, writable directory (``create_subdir`` makes one
@@ -130,39 +132,43 @@ class StoreFiles:
 
     # ------------------------------------------------------------ files
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The zero-filled tensor ``name`` of ``shape``, in a new file (an old one is
-        replaced: a store holds training state, not a checkpoint)."""
-        if name in self._tensors:
-            raise ValueError(f"store tensor {name!r} was already made")
-        path = self.directory / f"{name}.f32"
+    def tensor(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The zero-filled tensor ``name`` of ``shape``, in a new file. An old file of
+        that name is replaced (a store holds training state, not a checkpoint); a
+        mapping of it made earlier keeps the old contents."""
+        path = self.directory / f"{name}.{_SUFFIX[dtype]}"
         recorded = self._layout.get(name)
-        if recorded is not None and list(recorded) != list(shape):
+        wanted = {"shape": list(shape), "dtype": _SUFFIX[dtype]}
+        if recorded is not None and recorded != wanted:
             raise ValueError(
-                f"store file {str(path)!r} holds a tensor of shape {recorded}, not {list(shape)}: "
+                f"store file {str(path)!r} holds a tensor of {recorded}, not {wanted}: "
                 "the directory belongs to another model; use an empty directory"
             )
-        numel = int(np.prod(shape, dtype=np.int64))
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if self._layout.pop(name, None) is not None:
             self._write_layout()  # a crash while the file is remade leaves no stale record
         old = path.stat().st_size if path.exists() else 0
-        if 4 * numel > _free_bytes(self.directory) + old:
-            raise _no_space(path, numel)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if nbytes > _free_bytes(self.directory) + old:
+            raise _no_space(path, nbytes)
+        path.unlink(missing_ok=True)  # a new inode: earlier mappings keep theirs
+        if name in self._tensors:
+            os.close(self._tensors.pop(name)[1])
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.ftruncate(fd, 0)  # drop old contents: the new file reads as zeros
-            if numel:
-                os.posix_fallocate(fd, 0, 4 * numel)
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
         except OSError as error:
             os.close(fd)
             path.unlink(missing_ok=True)
             if error.errno == errno.ENOSPC:
-                raise _no_space(path, numel) from error
+                raise _no_space(path, nbytes) from error
             raise
-        self._layout[name] = list(shape)
+        self._layout[name] = wanted
         self._write_layout()
-        mapped = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float32)
-        if numel:  # no read-around on faults: read_ahead asks for exactly the pages needed
+        mapped = torch.from_file(str(path), shared=True, size=nbytes // dtype.itemsize, dtype=dtype)
+        if nbytes:  # no read-around on faults: read_ahead asks for exactly the pages needed
             _madvise(mapped, _MADV_RANDOM)
         mapped = mapped.view(shape)
         self._tensors[name] = (mapped, fd)
@@ -173,7 +179,7 @@ class StoreFiles:
         address = view.data_ptr()
         for tensor, fd in self._tensors.values():
             start = tensor.data_ptr()
-            if start <= address < start + 4 * tensor.numel():
+            if start <= address < start + tensor.nbytes:
                 return fd, address - start
         raise ValueError("the tensor is not a view of this store's files")
 
@@ -189,11 +195,11 @@ class StoreFiles:
             # cache): the kernel keeps pages that are mapped.
             _madvise(tensor, _MADV_DONTNEED)
             os.fsync(fd)
-            os.posix_fadvise(fd, 0, 4 * tensor.numel(), os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, 0, tensor.nbytes, os.POSIX_FADV_DONTNEED)
 
     @property
     def nbytes(self) -> int:
-        return sum(4 * tensor.numel() for tensor, _ in self._tensors.values())
+        return sum(tensor.nbytes for tensor, _ in self._tensors.values())
 
     # ------------------------------------------------------------ reading ahead
 
@@ -235,11 +241,15 @@ class StoreFiles:
             return {}
         try:
             layout = json.loads(path.read_text())
-        except ValueError as error:
-            raise ValueError(f"store layout {str(path)!r} is not valid JSON: {error}") from None
-        for name, shape in layout.items():
-            file = self.directory / f"{name}.f32"
-            want = 4 * int(np.prod(shape, dtype=np.int64))
+            if not all(set(e) == {"shape", "dtype"} and e["dtype"] in _SUFFIX.values()
+                       for e in layout.values()):  # fmt: skip
+                raise ValueError("entries must be {'shape': [...], 'dtype': 'f32' or 'i64'}")
+        except (ValueError, TypeError, AttributeError) as error:
+            raise ValueError(f"store layout {str(path)!r} is not a store's: {error}") from None
+        dtypes = {suffix: dtype for dtype, suffix in _SUFFIX.items()}
+        for name, entry in layout.items():
+            file = self.directory / f"{name}.{entry['dtype']}"
+            want = int(np.prod(entry["shape"], dtype=np.int64)) * dtypes[entry["dtype"]].itemsize
             have = file.stat().st_size if file.exists() else None
             if have != want:
                 raise ValueError(
@@ -257,7 +267,7 @@ class StoreFiles:
 
 def _madvise(mapped: torch.Tensor, advice: int) -> None:
     """``madvise`` the whole mapping behind ``mapped`` (a store tensor, page-aligned)."""
-    start, length = ctypes.c_void_p(mapped.data_ptr()), ctypes.c_size_t(4 * mapped.numel())
+    start, length = ctypes.c_void_p(mapped.data_ptr()), ctypes.c_size_t(mapped.nbytes)
     if _libc.madvise(start, length, advice) != 0:
         raise OSError(ctypes.get_errno(), f"madvise({advice}) failed on a store mapping")
 
@@ -269,11 +279,11 @@ def _read(jobs: queue.Queue) -> None:
             advise_rows(fd, base, rows, row_bytes, PAGE, _WILLNEED)
 
 
-def _no_space(path: Path, numel: int) -> OSError:
+def _no_space(path: Path, nbytes: int) -> OSError:
     free = _free_bytes(path.parent)
     return OSError(
         errno.ENOSPC,
-        f"no space for store file {str(path)!r}: it needs {4 * numel / 1e9:.2f} GB, "
+        f"no space for store file {str(path)!r}: it needs {nbytes / 1e9:.2f} GB, "
         f"{free / 1e9:.2f} GB are free",
     )
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,10 +197,13 @@ class OracleCacher(CachePlanner):
             ``"frequency"`` (fewer uses in planned steps first, then least
             recently used, then smaller id) or ``"recency"`` (least recently
             used, then smaller id).
+        row_table: makes the per-row table for a number of rows (see
+            ``slots.new_state``): a disk store maps it from a file, so that
+            the oracle's private memory does not grow with the table.
 
-    Memory: 16 bytes per table row, 104 bytes per cache slot, and about 4
-    bytes per id plus 28 per distinct id of each batch in the window
-    (``max(L + 1, d + 2)`` batches are kept).
+    Memory: 16 bytes per table row (in ``row_table``'s, if given), 104 bytes
+    per cache slot, and about 4 bytes per id plus 28 per distinct id of each
+    batch in the window (``max(L + 1, d + 2)`` batches are kept).
 
     One oracle is not thread-safe, but its compiled passes release the GIL,
     so oracles of different tables plan in parallel on threads.
@@ -214,6 +217,7 @@ class OracleCacher(CachePlanner):
         num_rows: int | None = None,
         *,
         tie_break: str = "frequency",
+        row_table: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
@@ -232,7 +236,10 @@ class OracleCacher(CachePlanner):
         self.tie_break = tie_break
 
         self._frequency = tie_break == "frequency"
-        self._state = new_state(capacity, num_rows or 0)
+        if row_table is not None and num_rows is None:
+            raise ValueError("a row_table needs num_rows")
+        rows = row_table(num_rows) if row_table is not None else None
+        self._state = new_state(capacity, num_rows or 0, rows)
         self._window: deque[_WindowBatch] = deque()  # entered, some already planned
         self._head = 0  # stream position of the next distinct id to enter
         self._steps_pushed = 0

@@ -65,7 +65,8 @@ class PartitionedBatch:
 class PartitionedOracle(CachePlanner):
     """``partitions`` oracles, each planning a hash share of the rows and of the slots.
 
-    Args: those of :class:`OracleCacher`, and ``partitions`` (``K``), at most
+    Args: those of :class:`OracleCacher` (``row_table`` is called once per
+    partition), and ``partitions`` (``K``), at most
     ``capacity``. Partition ``p`` owns slots ``offsets[p] .. offsets[p + 1] - 1``
     and the ids ``i`` with ``oracle_kernels.split_of(i, K) == p``.
     """
@@ -79,6 +80,7 @@ class PartitionedOracle(CachePlanner):
         *,
         partitions: int = 1,
         tie_break: str = "frequency",
+        row_table: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         if not 1 <= partitions <= capacity:
             raise ValueError(f"partitions must be in 1..capacity ({capacity}), got {partitions}")
@@ -89,7 +91,14 @@ class PartitionedOracle(CachePlanner):
         self.offsets = np.concatenate([[0], np.cumsum(shares)])
         local_rows = None if num_rows is None else -(-num_rows // partitions)
         self._parts = [
-            OracleCacher(share, lookahead, prefetch_distance, local_rows, tie_break=tie_break)
+            OracleCacher(
+                share,
+                lookahead,
+                prefetch_distance,
+                local_rows,
+                tie_break=tie_break,
+                row_table=row_table,
+            )  # fmt: skip
             for share in shares
         ]
         self._pending: deque[PartitionedBatch] = deque()  # pushed, not yet planned

@@ -50,10 +50,19 @@ class OracleState(NamedTuple):
     counters: np.ndarray  # int64: [resident slots]
 
 
-def new_state(capacity: int, num_rows: int) -> OracleState:
-    """An empty cache of ``capacity`` slots for ``num_rows`` rows (tables grow later)."""
+def new_state(capacity: int, num_rows: int, rows: np.ndarray | None = None) -> OracleState:
+    """An empty cache of ``capacity`` slots for ``num_rows`` rows (tables grow later).
+
+    ``rows``: the per-row table to use, ``(num_rows, ROW_FIELDS)`` int64 filled
+    with -1 (for example mapped from a file); a new array by default.
+    """
+    if rows is None:
+        rows = np.full((num_rows, ROW_FIELDS), -1, dtype=np.int64)
+    elif rows.shape != (num_rows, ROW_FIELDS) or rows.dtype != np.int64:
+        raise ValueError(f"a row table must be int64 of shape {(num_rows, ROW_FIELDS)}, "
+                         f"got {rows.dtype} {rows.shape}")  # fmt: skip
     return OracleState(
-        rows=np.full((num_rows, ROW_FIELDS), -1, dtype=np.int64),
+        rows=rows,
         slots=_aligned((capacity, SLOT_FIELDS), -1),
         link_next=np.full(capacity, -1, dtype=np.int64),
         groups=GroupHeap(

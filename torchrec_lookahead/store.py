@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from torchrec_lookahead.disk import StoreFiles
+from torchrec_lookahead.oracle_kernels import ROW_FIELDS
 
 __all__ = ["HostStore", "MmapStore"]
 
@@ -112,6 +114,19 @@ class MmapStore(HostStore):
 
     def _zeros(self, table: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
         return self.files.tensor(f"{self._names[table]}.state{index}", shape)
+
+    def row_table(self, name: str) -> Callable[[int], np.ndarray]:
+        """Makes an oracle's per-row table (``OracleCacher(row_table=...)``) in store
+        files ``name.0``, ``name.1``, ... (one per call): its private memory then
+        does not grow with the table either."""
+        made = itertools.count()
+
+        def make(num_rows: int) -> np.ndarray:
+            shape = (num_rows, ROW_FIELDS)
+            table = self.files.tensor(f"{name}.{next(made)}", shape, torch.int64)
+            return table.fill_(-1).numpy()
+
+        return make
 
     def read_ahead(self, rows: Sequence[tuple[int, np.ndarray]]) -> None:
         regions = []
