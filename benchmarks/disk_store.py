@@ -13,7 +13,8 @@ Adagrad, trained through ``LookaheadTrainPipeline`` on this machine's CPU.
   than RAM: samples/s, hit rate, the process's disk reads and writes
   (``/proc/self/io``), executor wait per step (read latency not hidden by
   the window shows up there) and the largest private memory (``RssAnon``)
-  seen. The files are removed afterwards.
+  seen. The files are removed afterwards. ``--oracle-rows memory`` keeps the
+  oracles' per-row tables in RAM instead of store files (for comparison).
 
 Prints a table and writes ``report.json`` into --out.
 """
@@ -135,6 +136,8 @@ def part_huge(args) -> dict:
         raise SystemExit(f"--huge-gb {args.huge_gb}: {need / 1e9:.1f} GB needed in {where}, "
                          f"{free / 1e9:.1f} GB free")  # fmt: skip
     try:
+        if args.oracle_rows == "memory":  # the ablation: oracles keep their row tables in RAM
+            MmapStore.row_table = lambda self, name: None
         model, ebc, built_s = build(data, args.dim, args.huge_cache, folder)
         ebc._store_files.drop_page_cache()
         run = train(model, ebc, data, args, 64, args.huge_steps, "huge")
@@ -164,6 +167,8 @@ def main() -> None:
     p.add_argument("--huge-gb", type=float, default=40.0, help="rows + state on disk")
     p.add_argument("--huge-cache", type=float, default=0.01, help="cache load factor")
     p.add_argument("--huge-steps", type=int, default=300)
+    p.add_argument("--oracle-rows", choices=["disk", "memory"], default="disk",
+                   help="where the oracles' per-row tables live in the huge part")  # fmt: skip
     p.add_argument("--store-dir", type=str, default=None, help="where the store files go")
     p.add_argument("--out", type=str, default="results/disk_store")
     args = p.parse_args()

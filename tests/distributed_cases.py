@@ -146,8 +146,9 @@ def check(case: Case, rank: int, world_size: int) -> None:
     total = pipeline.cache_metrics()["total"]
     assert total.rows_written_back > 0, f"{case}: the cache never evicted; the test is too easy"
     if store_dir is not None:
-        files = sorted(p.name for p in Path(store_dir, f"rank{rank}").glob("*.f32"))
+        files = sorted(p.name for p in Path(store_dir, f"rank{rank}").rglob("*.f32"))
         assert files and all(name.startswith("lookup") for name in files), files
+        assert list(Path(store_dir, f"rank{rank}").rglob("oracle.*.i64"))
         shutil.rmtree(store_dir)
 
 

@@ -123,11 +123,12 @@ class StoreFiles:
 
     @staticmethod
     def create_subdir(directory: str | os.PathLike, name: str) -> StoreFiles:
-        """The store in ``directory/name``, made if missing (``directory`` must exist)."""
+        """The store in ``directory/name`` (``name`` may have several levels), made if
+        missing (``directory`` must exist)."""
         parent = Path(directory)
         if not parent.is_dir():
             raise ValueError(f"store_dir {str(parent)!r} is not an existing directory")
-        (parent / name).mkdir(exist_ok=True)
+        (parent / name).mkdir(parents=True, exist_ok=True)
         return StoreFiles(parent / name)
 
     # ------------------------------------------------------------ files

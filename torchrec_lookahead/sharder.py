@@ -232,8 +232,9 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._sizing = module.sizing  # read by _create_lookups during super().__init__
         self._store_files = None  # a disk store's files (this rank's), read there too
         if module.store_dir is not None:
-            rank = kwargs["env"].rank
-            self._store_files = StoreFiles.create_subdir(module.store_dir, f"rank{rank}")
+            # One directory per rank and module: several modules may share a store_dir.
+            where = f"rank{kwargs['env'].rank}/{kwargs.get('module_fqn') or 'module'}"
+            self._store_files = StoreFiles.create_subdir(module.store_dir, where)
         self._on_stage = threading.local()  # .active: this thread is the lookahead stage
         self._stage_pg: dist.ProcessGroup | None = None
         self._stage_input_dists: list[torch.nn.Module] = []
