@@ -40,7 +40,7 @@ from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPi
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
 from torchrec_lookahead.disk import anonymous_rss_bytes
-from torchrec_lookahead.store import MmapStore
+from torchrec_lookahead.store import HostStore, MmapStore
 
 
 def process_io() -> dict[str, int]:
@@ -137,7 +137,7 @@ def part_huge(args) -> dict:
                          f"{free / 1e9:.1f} GB free")  # fmt: skip
     try:
         if args.oracle_rows == "memory":  # the ablation: oracles keep their row tables in RAM
-            MmapStore.row_table = lambda self, name: None
+            MmapStore.row_table = HostStore.row_table
         model, ebc, built_s = build(data, args.dim, args.huge_cache, folder)
         ebc._store_files.drop_page_cache()
         run = train(model, ebc, data, args, 64, args.huge_steps, "huge")

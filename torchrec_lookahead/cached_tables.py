@@ -31,7 +31,7 @@ from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import CachePlan, CachePlanner, OracleCacher
 from torchrec_lookahead.partitioned import PartitionedOracle
 from torchrec_lookahead.pools import slot_pools
-from torchrec_lookahead.store import HostStore, MmapStore
+from torchrec_lookahead.store import HostStore
 
 __all__ = ["CacheSizing", "CachedTables", "PreparedStep", "StepMoves", "Window"]
 
@@ -297,9 +297,8 @@ class CachedTables:
     def _planner(self, slots: int, pool: int) -> CachePlanner:
         w = self._window
         num_rows = self.pools[pool].num_rows
-        row_table = None
-        if isinstance(store := self.cache.store, MmapStore):  # per-row state on disk too
-            row_table = store.row_table(f"oracle.{self.names[self.pools[pool].tables[0]]}.{pool}")
+        first_table = self.names[self.pools[pool].tables[0]]
+        row_table = self.cache.store.row_table(f"oracle.{first_table}.{pool}")
         if w.planning_workers == 1 or slots < 2:
             return OracleCacher(slots, w.lookahead, w.prefetch_distance, num_rows=num_rows,
                                 row_table=row_table)  # fmt: skip

@@ -98,7 +98,7 @@ class PartitionedOracle(CachePlanner):
                 local_rows,
                 tie_break=tie_break,
                 row_table=row_table,
-            )  # fmt: skip
+            )
             for share in shares
         ]
         self._pending: deque[PartitionedBatch] = deque()  # pushed, not yet planned

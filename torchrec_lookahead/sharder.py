@@ -80,6 +80,9 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
             ]
             config = dataclasses.replace(config, embedding_tables=tables)
         if store_files is not None:  # the store TBE's host buffers are store files
+            if on_cuda:
+                raise ValueError("a disk store under DMP runs on the CPU for now: FBGEMM's "
+                                 "UVM buffers of a CUDA TBE cannot be mapped files")  # fmt: skip
             buffers = _store_buffers(config, *store_files)
             fused = {**(config.fused_params or {}), "preallocated_host_buffers": buffers}
             config = dataclasses.replace(config, fused_params=fused)

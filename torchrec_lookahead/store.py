@@ -40,6 +40,10 @@ class HostStore:
     def read_ahead(self, rows: Sequence[tuple[int, np.ndarray]]) -> None:
         """``(table, ids)``: rows to be gathered soon (a hint; host memory needs none)."""
 
+    def row_table(self, name: str) -> Callable[[int], np.ndarray] | None:
+        """How oracles over this store make their per-row tables (``None``: in RAM)."""
+        return None
+
     @property
     def num_tables(self) -> int:
         return len(self.weights)
@@ -115,7 +119,7 @@ class MmapStore(HostStore):
     def _zeros(self, table: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
         return self.files.tensor(f"{self._names[table]}.state{index}", shape)
 
-    def row_table(self, name: str) -> Callable[[int], np.ndarray]:
+    def row_table(self, name: str) -> Callable[[int], np.ndarray] | None:
         """Makes an oracle's per-row table (``OracleCacher(row_table=...)``) in store
         files ``name.0``, ``name.1``, ... (one per call): its private memory then
         does not grow with the table either."""
