@@ -96,6 +96,7 @@ def train(model, ebc, data, args, lookahead: int, steps: int, desc: str) -> dict
         "disk_read_mb_per_s": (io_after["read"] - io_before["read"]) / 1e6 / sum(times),
         "disk_written_mb_per_s": (io_after["written"] - io_before["written"]) / 1e6 / sum(times),
         "private_mb": private / 2**20,
+        "read_ahead_dropped": ebc.store_files.read_ahead_dropped if ebc.store_files else 0,
     }
 
 
@@ -111,7 +112,7 @@ def part_fits(args) -> list[dict]:
                 folder = Path(tempfile.mkdtemp(dir=args.store_dir)) if store != "memory" else None
                 model, ebc, _ = build(data, args.dim, 0.05, folder)
                 if folder is not None:
-                    ebc._store_files.drop_page_cache()
+                    ebc.store_files.drop_page_cache()
                 MmapStore.reads_ahead = store != "disk, no read-ahead"
                 desc = f"fits {store} L={lookahead} #{repeat + 1}"
                 run = train(model, ebc, data, args, lookahead, args.steps, desc)
@@ -139,7 +140,7 @@ def part_huge(args) -> dict:
         if args.oracle_rows == "memory":  # the ablation: oracles keep their row tables in RAM
             MmapStore.row_table = HostStore.row_table
         model, ebc, built_s = build(data, args.dim, args.huge_cache, folder)
-        ebc._store_files.drop_page_cache()
+        ebc.store_files.drop_page_cache()
         run = train(model, ebc, data, args, 64, args.huge_steps, "huge")
         rows = sum(data.num_embeddings)
         return {"rows": rows, "store_gb": need / 1e9, "init_s": built_s,

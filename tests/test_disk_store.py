@@ -99,7 +99,7 @@ def test_a_missing_directory_is_refused(tmp_path):
 
 def test_a_directory_in_use_is_refused(tmp_path):
     first = LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
-    with pytest.raises(ValueError, match="in use by another process"):
+    with pytest.raises(ValueError, match="in use by another store"):
         LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
     assert first.embedding_bags["t0"].weight.shape == (1001, 8)
 

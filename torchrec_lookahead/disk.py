@@ -94,8 +94,8 @@ class StoreFiles:
     from files in ``directory``.
 
     Args:
-        directory: an existing, writable directory (``create_subdir`` makes one
-            level below it, e.g. a rank's own).
+        directory: an existing, writable directory (``create_subdir`` makes
+            one below it, e.g. a rank's own).
         read_ahead_jobs: read-ahead requests (one per batch entering the
             window) that may wait for the reader thread; more are dropped
             (reading ahead is advice, never needed for correctness).
@@ -113,9 +113,10 @@ class StoreFiles:
         except BlockingIOError:
             self._lock.close()
             raise ValueError(
-                f"store_dir {str(self.directory)!r} is in use by another process"
+                f"store_dir {str(self.directory)!r} is in use by another store (a module "
+                "of this or another process); give each module a directory of its own"
             ) from None
-        self._layout: dict[str, list[int]] = self._read_layout()
+        self._layout: dict[str, dict] = self._read_layout()  # name -> {"shape", "dtype"}
         self._tensors: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, fd)
         self._jobs: queue.Queue = queue.Queue(read_ahead_jobs)
         self.read_ahead_dropped = 0
@@ -184,11 +185,6 @@ class StoreFiles:
                 return fd, address - start
         raise ValueError("the tensor is not a view of this store's files")
 
-    def sync(self) -> None:
-        """Write every dirty page of the store's files to disk."""
-        for _, fd in self._tensors.values():
-            os.fsync(fd)
-
     def drop_page_cache(self) -> None:
         """Write the files out and drop their pages from the page cache (a cold start)."""
         for tensor, fd in self._tensors.values():
@@ -197,10 +193,6 @@ class StoreFiles:
             _madvise(tensor, _MADV_DONTNEED)
             os.fsync(fd)
             os.posix_fadvise(fd, 0, tensor.nbytes, os.POSIX_FADV_DONTNEED)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(tensor.nbytes for tensor, _ in self._tensors.values())
 
     # ------------------------------------------------------------ reading ahead
 
@@ -236,7 +228,7 @@ class StoreFiles:
 
     # ------------------------------------------------------------ layout
 
-    def _read_layout(self) -> dict[str, list[int]]:
+    def _read_layout(self) -> dict[str, dict]:
         path = self.directory / _LAYOUT
         if not path.exists():
             return {}

@@ -126,6 +126,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         ]
 
     @property
+    def store_files(self) -> StoreFiles | None:
+        """The disk store's files (``store_dir``), or ``None`` (tables in host memory)."""
+        return self._store_files
+
+    @property
     def feature_names(self) -> list[str]:
         """Features in the order this module looks them up (grouped by table)."""
         return list(self._flat_features)
