@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -30,9 +31,11 @@ from torchrec.optim import SGD, Adagrad, RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
 from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
 from torchrec_lookahead.sharder import LookaheadEmbeddingBagCollectionSharder
 
@@ -51,6 +54,7 @@ class Case:
     cache_load_factor: float = 0.2
     stage_thread: bool = True  # the lookahead stage on its own thread, or inline
     store_dir: bool = False  # the tables in a disk store (a temporary directory)
+    session: int = 0  # > 0: sessions of this many samples share cat_0 and cat_1, deduplicated
 
 
 def tables() -> list[EmbeddingBagConfig]:
@@ -113,11 +117,25 @@ def rank_data_and_baseline(case: Case, rank: int, world_size: int):
     """This rank's batches, and the plain TorchRec model (with optimizer and plan) to match."""
     data = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=100 + rank)
     batches = [criteo_batch(data, s, BATCH) for s in range(case.steps)]
+    if case.session:
+        batches = [deduplicated_sessions(b, case.session) for b in batches]
     baseline = build(
         EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
         [EmbeddingBagCollectionSharder()], case, world_size,
     )  # fmt: skip
     return batches, baseline
+
+
+def deduplicated_sessions(batch: Batch, session: int) -> Batch:
+    """``batch`` (one id per sample and feature) with sessions sharing the first two features,
+    in TorchRec's deduplicated form."""
+    features = batch.sparse_features
+    keys = features.keys()
+    ids = features.values().view(len(keys), BATCH).clone()
+    ids[:2] = ids[:2, torch.arange(BATCH) // session * session]
+    ones = torch.ones(ids.numel(), dtype=torch.int64)
+    plain = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=ids.reshape(-1), lengths=ones)
+    return Batch(batch.dense_features, deduplicate(plain, keys[:2]), batch.labels)
 
 
 def check(case: Case, rank: int, world_size: int) -> None:

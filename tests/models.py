@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.resident import FullyResidentEmbeddingBagCollection
 
 # Tables of different sizes and dims; t0 serves two features; w0 and w1 are weighted and
@@ -69,6 +70,36 @@ def batches(num: int, batch_size: int = 32, seed: int = 0) -> list[Batch]:
                 labels=torch.from_numpy(labels),
             )
         )
+    return out
+
+
+USER_KEYS = ["f0", "f2", "g0"]  # the user-side features of session_batches (g0 weighted)
+
+
+def session_batches(
+    num: int, session: int, dedup: bool, batch_size: int = 32, seed: int = 0
+) -> list[Batch]:
+    """``batches`` where ``session`` consecutive samples share their ``USER_KEYS`` bags (and
+    weights); deduplicated (TorchRec's variable-stride form) or plain."""
+    first = np.arange(batch_size) // session * session
+    out = []
+    for batch in batches(num, batch_size, seed):
+        bags = batch.sparse_features.to_dict()
+        parts = []
+        for key in KEYS:
+            jagged = bags[key]
+            samples = first if key in USER_KEYS else np.arange(batch_size)
+            values, weights = jagged.to_dense(), jagged.to_dense_weights()
+            parts.append(([values[i] for i in samples], [weights[i] for i in samples]))
+        features = KeyedJaggedTensor.from_lengths_sync(
+            keys=KEYS,
+            values=torch.cat([v for values, _ in parts for v in values]),
+            weights=torch.cat([w for _, weights in parts for w in weights]),
+            lengths=torch.tensor([len(v) for values, _ in parts for v in values]),
+        )
+        if dedup:
+            features = deduplicate(features, USER_KEYS)
+        out.append(Batch(batch.dense_features, features, batch.labels))
     return out
 
 

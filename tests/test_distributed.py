@@ -36,6 +36,15 @@ def test_disk_store_matches_plain_torchrec(world_size: int) -> None:
     )
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_deduplicated_batches_match_plain_torchrec(world_size: int) -> None:
+    spawn(
+        world_size,
+        [Case("table_wise", "sgd", 16, cache_load_factor=0.05, session=4),
+         Case("column_wise", "rowwise_adagrad", 8, cache_load_factor=0.05, session=8)],
+    )  # fmt: skip
+
+
 def test_mixed_modules_bad_batch_on_one_rank_eval_and_checkpoint(tmp_path) -> None:
     mp.spawn(integration_worker, args=(2, free_port(), str(tmp_path / "ckpt")), nprocs=2)
 

@@ -18,6 +18,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torchrec_lookahead.oracle import CachePlan
 from torchrec_lookahead.pools import SlotPool
 from torchrec_lookahead.store import HostStore
+from torchrec_lookahead.variable_batch import padded_lookup
 
 __all__ = ["CacheTable"]
 
@@ -59,6 +60,7 @@ class CacheTable:
         self.pools = list(pools)
         pool_of_table = {t: p for p, pool in enumerate(self.pools) for t in pool.tables}
         self._feature_pools = [pool_of_table[t] for t in feature_tables]
+        self._feature_dims = [self.pools[p].dim for p in self._feature_pools]
         self._optimizer = optimizer
         self._pooling = pooling
         self._fbgemm_params = dict(fbgemm_params or {})
@@ -108,8 +110,23 @@ class CacheTable:
         slots: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
+        batch_size_per_feature_per_rank: list[list[int]] | None = None,
+        **vbe_output: Any,
     ) -> torch.Tensor:
-        return self.tbe(slots, offsets, per_sample_weights=per_sample_weights)
+        """Pooled rows at ``slots``; a deduplicated batch gives its bags per feature and
+        rank, and under TorchRec's merging of several kernels ``vbe_output`` /
+        ``vbe_output_offsets`` (see :mod:`~torchrec_lookahead.variable_batch`)."""
+        if batch_size_per_feature_per_rank is None:
+            return self.tbe(slots, offsets, per_sample_weights=per_sample_weights)
+        if self.device.type != "cpu":  # FBGEMM's variable-batch kernels
+            return self.tbe(slots, offsets, per_sample_weights=per_sample_weights,
+                            batch_size_per_feature_per_rank=batch_size_per_feature_per_rank,
+                            **vbe_output)  # fmt: skip
+        if vbe_output.get("vbe_output") is not None:
+            raise ValueError("a preallocated vbe_output is not supported on the CPU (nor by "
+                             "FBGEMM's CPU TBE): one kernel per lookup, please")  # fmt: skip
+        return padded_lookup(self.tbe, slots, offsets, per_sample_weights,
+                             batch_size_per_feature_per_rank, self._feature_dims)  # fmt: skip
 
     def apply(self, pool: int, plan: CachePlan) -> None:
         """Write back ``plan``'s evicted rows, then fetch its rows."""

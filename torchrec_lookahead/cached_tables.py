@@ -32,6 +32,7 @@ from torchrec_lookahead.oracle import CachePlan, CachePlanner, OracleCacher
 from torchrec_lookahead.partitioned import PartitionedOracle
 from torchrec_lookahead.pools import slot_pools
 from torchrec_lookahead.store import HostStore
+from torchrec_lookahead.variable_batch import check_variable_batch_optimizer
 
 __all__ = ["CacheSizing", "CachedTables", "PreparedStep", "StepMoves", "Window"]
 
@@ -120,6 +121,7 @@ class CachedTables:
         self.num_rows = list(num_rows)
         self.pools = slot_pools(self.num_rows, dims, optimizer)
         self.table_slots = list(table_slots)
+        self._optimizer = optimizer
         self._shares = list(table_slots)  # before any raise to what the window needs
         self.cache = CacheTable(self.pools, self._pool_slots(), feature_tables, optimizer,
                                 store, device, pooling, fbgemm_params)  # fmt: skip
@@ -165,6 +167,11 @@ class CachedTables:
             for t in range(len(self.names))
         ]
 
+    @property
+    def entered(self) -> int:
+        """Batches that entered the window since ``attach`` (the next batch's step)."""
+        return self._entered
+
     def attach(self, window: Window) -> None:
         """Start a new window: the cache written back and emptied; oracles at the first batch."""
         self.write_back()
@@ -185,6 +192,8 @@ class CachedTables:
         instead (at most all its rows), logged once per table.
         """
         step = self._entered
+        if self.cache.device.type != "cpu":  # the CPU pools variable batches padded, any optimizer
+            check_variable_batch_optimizer(features, self._optimizer, f"step {step}")
         values = features.values().cpu().numpy()
         lengths = features.length_per_key()
         check_feature_ids(values, lengths, features.keys(), self._feature_rows, f"step {step}")
@@ -235,9 +244,14 @@ class CachedTables:
         return self._running is not None
 
     def lookup(
-        self, offsets: torch.Tensor, num_ids: int, per_sample_weights: torch.Tensor | None
+        self,
+        offsets: torch.Tensor,
+        num_ids: int,
+        per_sample_weights: torch.Tensor | None,
+        **variable_batch: Any,
     ) -> torch.Tensor:
-        """Pooled embeddings of the running step's batch, through the cache."""
+        """Pooled embeddings of the running step's batch, through the cache
+        (``variable_batch``: FBGEMM's arguments for a deduplicated batch)."""
         slots, self._running = self._running, None
         if slots is None or slots.numel() != num_ids:
             raise RuntimeError(
@@ -246,7 +260,7 @@ class CachedTables:
                 "in the order they were planned, one forward per step"
             )
         self._dirty = True
-        return self.cache.forward(slots, offsets, per_sample_weights)
+        return self.cache.forward(slots, offsets, per_sample_weights, **variable_batch)
 
     def write_back(self) -> None:
         """Write updated cache rows back to the store (the rows stay cached)."""

@@ -25,6 +25,12 @@ from torchrec_lookahead.cached_tables import (
 from torchrec_lookahead.disk import StoreFiles
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store import HostStore, MmapStore
+from torchrec_lookahead.variable_batch import (
+    check_variable_batch,
+    expand_pooled,
+    keep_inverse_indices,
+    tbe_batch_sizes,
+)
 
 __all__ = ["LookaheadEmbeddingBagCollection"]
 
@@ -186,7 +192,8 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         self._cached.attach(window)
 
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """This module's features of ``features``, in lookup order."""
+        """This module's features of ``features``, in lookup order (a deduplicated
+        batch keeps its inverse indices)."""
         keys = features.keys()
         if keys == self._flat_features:
             return features
@@ -194,10 +201,13 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         missing = [f for f in self._flat_features if f not in index]
         if missing:
             raise ValueError(f"features {missing} are missing from the batch (it has {keys})")
-        return features.permute([index[f] for f in self._flat_features])
+        return keep_inverse_indices(features.permute([index[f] for f in self._flat_features]),
+                                    features)  # fmt: skip
 
     def prepare(self, features: KeyedJaggedTensor) -> PreparedStep:
-        """Check a batch for every table without changing anything (see ``CachedTables``)."""
+        """Check a batch for every table without changing anything (see ``CachedTables``);
+        a deduplicated batch is checked first (see :mod:`~torchrec_lookahead.variable_batch`)."""
+        check_variable_batch(features, f"step {self._cached.entered}")
         return self._cached.prepare(self.select(features))
 
     def enter(self, prepared: PreparedStep) -> tuple[int, StepMoves] | None:
@@ -238,7 +248,9 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             features.offsets().to(self._device),
             features.values().numel(),
             features.weights().to(self._device) if self._is_weighted else None,
+            **tbe_batch_sizes(features),
         )
+        pooled = expand_pooled(pooled, features, self._lengths_per_embedding)
         return KeyedTensor(
             keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
         )

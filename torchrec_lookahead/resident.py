@@ -16,6 +16,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_lookahead.variable_batch import expand_pooled, keep_inverse_indices, tbe_batch_sizes
+
 __all__ = ["FullyResidentEmbeddingBagCollection"]
 
 
@@ -26,7 +28,8 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
     fused optimizer over the full tables, with nothing to move. It starts
     from the weights of ``like`` (an ``EmbeddingBagCollection``, lookahead or
     not) so that both train from the same point, and it quacks like one for
-    TorchRec models (``embedding_bag_configs()``, ``KeyedTensor`` output).
+    TorchRec models (``embedding_bag_configs()``, ``KeyedTensor`` output,
+    deduplicated batches expanded as ``EmbeddingBagCollection`` expands them).
 
     Args:
         like: the collection whose tables, features and weights to copy.
@@ -75,7 +78,10 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         keys = features.keys()
         if keys != self._features:
-            features = features.permute([keys.index(f) for f in self._features])
+            order = [keys.index(f) for f in self._features]
+            features = keep_inverse_indices(features.permute(order), features)
         weights = features.weights() if self._is_weighted else None
-        pooled = self.tbe(features.values(), features.offsets(), per_sample_weights=weights)
+        pooled = self.tbe(features.values(), features.offsets(), per_sample_weights=weights,
+                          **tbe_batch_sizes(features))  # fmt: skip
+        pooled = expand_pooled(pooled, features, self._dims)
         return KeyedTensor(keys=self._features, length_per_key=self._dims, values=pooled)

@@ -49,6 +49,7 @@ from torchrec_lookahead.ids import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.store import HostStore, MmapStore
+from torchrec_lookahead.variable_batch import check_variable_batch, tbe_batch_sizes
 
 __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
@@ -118,7 +119,13 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
             if self.cached.cache.tbe.get_learning_rate() != lr:
                 self.cached.cache.tbe.set_learning_rate(lr)
             weights = features.weights_or_none()
-            return self.cached.lookup(features.offsets(), features.values().numel(), weights)
+            # A deduplicated batch: its bags per feature and rank, and TorchRec's preallocated
+            # output when several kernels of a lookup merge theirs (as its fused kernel gets them).
+            variable_batch = tbe_batch_sizes(features)
+            if variable_batch:
+                variable_batch.update(kwargs)
+            return self.cached.lookup(features.offsets(), features.values().numel(), weights,
+                                      **variable_batch)  # fmt: skip
         if self.training and torch.is_grad_enabled():
             raise RuntimeError(
                 "a lookahead-cached table trains through LookaheadTrainPipeline; call the "
@@ -343,6 +350,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
         unchecked = np.iinfo(np.int64).max  # features of other modules
         try:
+            check_variable_batch(features, f"step {self._entered}")
             check_feature_ids(
                 features.values().cpu().numpy(), features.length_per_key(), features.keys(),
                 [self._feature_rows.get(k, unchecked) for k in features.keys()],
