@@ -45,6 +45,19 @@ def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
     assert "final weights match" in done.stdout and (tmp_path / "out" / "training.png").exists()
 
 
+def test_deduplicated_sessions_match_plain_torchrec_and_report_savings(tmp_path: Path) -> None:
+    done, summary = run(tmp_path, *TINY, "--limit_train_batches", "20", "--baseline",
+                        "--session_size", "8", "--dedup", ranks=2)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert summary["weights_match"] is True
+    look, base = summary["runs"]
+    assert look["dedup"] == base["dedup"]
+    counts = look["dedup"]
+    # 13 of 26 features shared by sessions of 8: about 7/16 of the ids go.
+    assert 0.40 < 1 - counts["ids_after"] / counts["ids_before"] < 0.44
+    assert "ids saved by dedup" in done.stdout and "sparse bytes saved" in done.stdout
+
+
 def test_planned_cache_sizes_are_reported_and_training_stays_exact(tmp_path: Path) -> None:
     done, summary = run(tmp_path, *TINY, "--limit_train_batches", "20", "--baseline",
                         "--plan_cache_sizes", "--plan_sample_batches", "10",
@@ -120,6 +133,8 @@ def bad_npy_folder(tmp: Path) -> str:
             "a multiple of --checkpoint_every",
         ),
         (["--dense_arch_layer_sizes", "64,8"], 2, "must end in --embedding_dim"),
+        (["--session_size", "0"], 2, "--session_size must be a positive integer"),
+        (["--dataset_path", "EMPTY", "--session_size", "4"], 2, "--session_size shapes the"),
     ],
 )
 def test_bad_input_gets_one_clear_message(tmp_path: Path, flags, code, message) -> None:

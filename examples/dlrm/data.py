@@ -9,6 +9,11 @@ but the last trains, the last day's halves are validation and test.
   drawn from a fixed logistic function of the dense features and of the ids
   (so a model can learn and AUROC means something). Generated once per set
   of settings into a cache folder and reused.
+* Sessions (``--session_size k``): k consecutive samples come from one user
+  and share the user-side features (``USER_FEATURES``: the first 13 sparse,
+  ``USER_DENSE`` dense); labels stay the same fixed function of each
+  sample's features. ``--dedup`` then sends each batch in TorchRec's
+  deduplicated form (:func:`deduplicated`).
 * Real: ``--dataset_path`` with ``day_*.npy`` files, or raw Criteo TSV days
   (label, 13 integers, 26 hex ids per line), converted once with TorchRec's
   ``BinaryCriteoUtils.tsv_to_npys`` into ``npy/`` beside them.
@@ -21,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,12 +34,18 @@ import numpy as np
 from iopath.common.file_io import PathManager
 from torchrec.datasets.criteo import (
     CAT_FEATURE_COUNT,
+    DEFAULT_CAT_NAMES,
     INT_FEATURE_COUNT,
     BinaryCriteoUtils,
     InMemoryBinaryCriteoIterDataPipe,
 )
+from torchrec.datasets.utils import Batch
 
 from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.data.dedup import DedupCounts, deduplicate
+
+USER_FEATURES = DEFAULT_CAT_NAMES[:13]  # sparse features a session shares
+USER_DENSE = 6  # dense features a session shares (the first ones)
 
 PATHS = PathManager()
 
@@ -51,6 +63,7 @@ class SyntheticSpec:
     days: int
     samples_per_day: int
     seed: int
+    session_size: int = 1
 
     def folder(self, root: Path) -> Path:
         digest = hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
@@ -73,6 +86,10 @@ def synthetic_days(spec: SyntheticSpec, root: Path) -> Path:
             source.batch(day, spec.samples_per_day).values, axis=1
         )  # [N, 26]: one id per feature, as in Criteo
         counts = rng.poisson(np.exp(rng.normal(1.0, 1.2, (spec.samples_per_day, 13))))
+        if spec.session_size > 1:  # each session's first sample gives its user's features
+            first = np.arange(spec.samples_per_day) // spec.session_size * spec.session_size
+            sparse[:, : len(USER_FEATURES)] = sparse[first, : len(USER_FEATURES)]
+            counts[:, :USER_DENSE] = counts[first, :USER_DENSE]
         dense = np.log(counts + 2.0).astype(np.float32)  # the log transform TorchRec applies
         # Each id of a table pushes the click rate up or down by a fixed amount.
         id_effect = np.cos(sparse * 0.618 + np.arange(CAT_FEATURE_COUNT)) @ effects
@@ -164,3 +181,11 @@ def loader(
         drop_last=stage == "train", hashes=num_embeddings,
         shuffle_batches=shuffle_batches and stage == "train",
     )  # fmt: skip
+
+
+def deduplicated(batches: Iterable[Batch], counts: DedupCounts) -> Iterator[Batch]:
+    """``batches`` with the samples sharing all their ``USER_FEATURES`` sending them once
+    (TorchRec's variable-stride form with inverse indices); ``counts`` sums what is saved."""
+    for batch in batches:
+        features = deduplicate(batch.sparse_features, USER_FEATURES, counts)
+        yield Batch(batch.dense_features, features, batch.labels)

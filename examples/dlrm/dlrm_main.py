@@ -31,7 +31,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -41,7 +41,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torchmetrics  # noqa: E402
 from checkpoint import Checkpointer, latest  # noqa: E402
-from data import DataError, SyntheticSpec, day_files, loader, real_days, synthetic_days  # noqa: E402
+from data import (  # noqa: E402
+    DataError,
+    SyntheticSpec,
+    day_files,
+    deduplicated,
+    loader,
+    real_days,
+    synthetic_days,
+)
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES  # noqa: E402
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
 from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: E402
@@ -66,6 +74,7 @@ from torchrec_lookahead import (  # noqa: E402
     LookaheadTrainPipeline,
 )
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo  # noqa: E402
+from torchrec_lookahead.data.dedup import DedupCounts  # noqa: E402
 from torchrec_lookahead.disk import anonymous_rss_bytes  # noqa: E402
 
 
@@ -107,6 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--synthetic_days", type=int, default=3)
     p.add_argument("--synthetic_samples_per_day", type=int, default=131072)
     p.add_argument("--data_cache", type=str, default=".cache/dlrm-data")
+    p.add_argument("--session_size", type=int, default=1,
+                   help="consecutive samples of one user, sharing its features")  # fmt: skip
+    p.add_argument("--dedup", action="store_true",
+                   help="send the user-side features once per session (TorchRec's "
+                        "deduplicated batches, RecD)")  # fmt: skip
     # Lookahead caching.
     p.add_argument("--lookahead", type=int, default=16)
     p.add_argument("--prefetch_distance", type=int, default=1)
@@ -155,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     for name in ("epochs", "batch_size", "embedding_dim", "synthetic_days",
                  "synthetic_samples_per_day", "test_batch_size", "limit_train_batches",
-                 "limit_val_batches", "limit_test_batches", "checkpoint_every"):  # fmt: skip
+                 "limit_val_batches", "limit_test_batches", "checkpoint_every",
+                 "session_size"):  # fmt: skip
         positive(name)
     if args.lookahead < 1:
         p.error(
@@ -165,6 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--prefetch_distance must be >= 0, got {args.prefetch_distance}")
     if not 0 < args.cache_load_factor <= 1:
         p.error(f"--cache_load_factor must be in (0, 1], got {args.cache_load_factor}")
+    if args.session_size > 1 and args.dataset_path:
+        p.error("--session_size shapes the synthetic data; real data has its own sessions "
+                "(--dedup finds them)")  # fmt: skip
     if args.synthetic_days < 2:
         p.error("--synthetic_days must be at least 2 (train, then validation/test)")
     if (args.resume or args.checkpoint_every) and not args.save_dir:
@@ -272,7 +290,8 @@ def dataset(args: argparse.Namespace, rank: int) -> list[tuple[str, str, str]]:
         folder = real_days(args.dataset_path) if rank == 0 else None
     else:
         spec = SyntheticSpec(args.scale, args.zipf, args.synthetic_days,
-                             args.synthetic_samples_per_day, args.seed)  # fmt: skip
+                             args.synthetic_samples_per_day, args.seed,
+                             args.session_size)  # fmt: skip
         folder = synthetic_days(spec, Path(args.data_cache)) if rank == 0 else None
     shared = [str(folder) if folder else None]
     dist.broadcast_object_list(shared, src=0)  # rank 0 generated or converted it
@@ -294,8 +313,8 @@ def cache_planner(args, days, world_size: int, device: torch.device):
     from planners import LookaheadCacheStatistics, lookahead_planner
 
     per_rank = [
-        list(itertools.islice(loader(days, "train", args.batch_size, r, world_size,
-                                     args.num_embeddings), args.plan_sample_batches))
+        list(itertools.islice(train_batches(args, days, r, world_size, DedupCounts(), False),
+                              args.plan_sample_batches))
         for r in range(world_size)
     ]  # fmt: skip
     stats = {
@@ -379,6 +398,17 @@ class Run:
     cache: dict[str, float] = field(default_factory=dict)
     checkpoint_stall_s: list[float] = field(default_factory=list)  # per save, slowest rank
     private_mb: float = 0.0  # the most anonymous RSS seen (sampled every 20 steps), rank 0
+    dedup: DedupCounts = field(default_factory=DedupCounts)  # --dedup: what it saved, rank 0
+
+
+def train_batches(args, days, rank: int, world_size: int, counts: DedupCounts, shuffle: bool):
+    """This rank's training batches over --epochs, deduplicated with --dedup (``counts``
+    sums the ids and bags it saves)."""
+    batches = itertools.chain.from_iterable(
+        loader(days, "train", args.batch_size, rank, world_size, args.num_embeddings, shuffle)
+        for _ in range(args.epochs)
+    )  # fmt: skip
+    return deduplicated(batches, counts) if args.dedup else batches
 
 
 def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start_step: int,
@@ -392,18 +422,7 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
                                           prefetch_distance=args.prefetch_distance)  # fmt: skip
     else:
         pipeline = TrainPipelineSparseDist(dmp, optimizer, device)
-    batches = itertools.chain.from_iterable(
-        loader(
-            days,
-            "train",
-            args.batch_size,
-            rank,
-            world_size,
-            args.num_embeddings,
-            args.shuffle_batches,
-        )
-        for _ in range(args.epochs)
-    )
+    batches = train_batches(args, days, rank, world_size, run.dedup, args.shuffle_batches)
     total = args.limit_train_batches
     batches = itertools.islice(batches, start_step, total)
     bar = tqdm(desc=f"train {name}", total=None if total is None else total - start_step,
@@ -560,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ output
 
 
-def cells(run: Run) -> dict[str, str]:
+def cells(run: Run, embedding_dim: int) -> dict[str, str]:
     """One column of the summary table."""
     cache = run.cache
     return {
@@ -574,6 +593,7 @@ def cells(run: Run) -> dict[str, str]:
         "planning ms / step": f"{cache['planning_ms_per_step']:.2f}" if cache else "-",
         "plan wait ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
         "private memory MB": f"{run.private_mb:,.0f}",
+        **dedup_cells(run, embedding_dim),
         "checkpoint stall ms / save": (
             f"{1000 * statistics.median(run.checkpoint_stall_s):.1f}"
             if run.checkpoint_stall_s
@@ -582,9 +602,30 @@ def cells(run: Run) -> dict[str, str]:
     }
 
 
+def dedup_cells(run: Run, embedding_dim: int) -> dict[str, str]:
+    """With --dedup: ids and sparse bytes per step and rank (the input all-to-all's ids and
+    lengths at 8 bytes, the output all-to-all's pooled rows at 4 bytes a float), after
+    deduplication, and the share saved."""
+    counts, steps = run.dedup, max(len(run.step_s), 1)
+    if not counts.ids_before:
+        return {}
+
+    def sparse_bytes(ids: int, bags: int) -> float:
+        return ids * 8 + bags * (8 + 4 * embedding_dim)
+
+    before = sparse_bytes(counts.ids_before, counts.bags_before)
+    after = sparse_bytes(counts.ids_after, counts.bags_after)
+    return {
+        "ids / step (dedup)": f"{counts.ids_after / steps:,.0f}",
+        "ids saved by dedup": f"{counts.ids_saved:.1%}",
+        "sparse MB / step (dedup)": f"{after / steps / 2**20:.2f}",
+        "sparse bytes saved": f"{1 - after / before:.1%}",
+    }
+
+
 def report(args, runs: list[Run], same: bool | None, digest: str, world_size: int,
            cache_rows: int) -> None:  # fmt: skip
-    table = [cells(r) for r in runs]
+    table = [cells(r, args.embedding_dim) for r in runs]
     names = [r.name for r in runs]
     rows = sum(args.num_embeddings)
     sizing = ("sized by the lookahead planner" if args.plan_cache_sizes
@@ -601,7 +642,7 @@ def report(args, runs: list[Run], same: bool | None, digest: str, world_size: in
     print(f"{'weights digest':>26}  {digest}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"config": {k: v for k, v in vars(args).items()}, "runs": [vars(r) for r in runs],
+    summary = {"config": {k: v for k, v in vars(args).items()}, "runs": [asdict(r) for r in runs],
                "weights_match": same, "weights_digest": digest, "world_size": world_size,
                "cache_rows": cache_rows, "rows": rows}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
