@@ -24,34 +24,20 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import machine
-
-MAIN = str(Path(__file__).resolve().parents[1] / "examples" / "dlrm" / "dlrm_main.py")
+from common import machine, run_example
 
 
 def launch(args: argparse.Namespace, work: Path, *flags: str) -> tuple[float, dict]:
-    """One torchrun job of the example; returns its wall seconds and its summary."""
-    out = Path(tempfile.mkdtemp(dir=work))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={args.world_size}", "--max-restarts=3", MAIN,
-        "--scale", str(args.scale), "--batch_size", str(args.batch_size),
-        "--limit_train_batches", str(args.steps), "--limit_val_batches", "1",
-        "--limit_test_batches", "1", "--data_cache", str(args.data_cache),
-        "--save_dir", str(out / "ckpt"), "--out", str(out), *flags,
-    ]  # fmt: skip
-    start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return seconds, json.loads((out / "summary.json").read_text())
+    """One torchrun job of the example (checkpointing into a folder of its own); returns
+    its wall seconds and its summary."""
+    flags = ["--scale", str(args.scale), "--batch_size", str(args.batch_size),
+             "--limit_train_batches", str(args.steps), "--limit_val_batches", "1",
+             "--limit_test_batches", "1", "--data_cache", str(args.data_cache),
+             "--save_dir", str(Path(tempfile.mkdtemp(dir=work)) / "ckpt"), *flags]  # fmt: skip
+    return run_example(work, args.world_size, flags, restarts=3)
 
 
 def stall(args: argparse.Namespace, work: Path) -> dict:

@@ -76,3 +76,18 @@ def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None
     assert report["huge"]["rows"] > 0 and 0 < report["huge"]["hit_rate"] < 1
     assert report["huge"]["private_mb"] > 0
     assert not any(store.iterdir()), "the store files must be removed"
+
+
+def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "dedup.py"), "--out", str(tmp_path),
+           "--scale", "0.001", "--batch-size", "128", "--steps", "8", "--samples-per-day",
+           "4096", "--sessions", "1", "8", "--repeats", "1",
+           "--data-cache", str(tmp_path / "data")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "Deduplicated batches" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    one, eight = report["results"]
+    assert one["ids_per_step_dedup"] == one["ids_per_step_plain"]  # nothing shared: plain
+    assert eight["ids_per_step_dedup"] < 0.6 * eight["ids_per_step_plain"]
+    assert all(r["plain_samples_per_s"] > 0 and r["dedup_samples_per_s"] > 0 for r in (one, eight))
+    assert (tmp_path / "dedup.png").stat().st_size > 0

@@ -64,23 +64,22 @@ def deduplicate(
         if counts is not None:
             _count(counts, len(values), len(values), lengths.size, lengths.size)
         return features
-    out_lengths, picks, strides = [], [], []
-    for k in range(len(names)):
-        samples = first if k in group else np.arange(batch)
-        out_lengths.append(lengths[k, samples])
-        picks.append(_bag_positions(starts[k, samples], lengths[k, samples]))
-        strides.append([len(samples)])
+    # Keep every bag of the other keys and each shared bag's first sample (``first`` is in
+    # sample order), key by key as the values lie.
+    kept = np.ones(lengths.shape, dtype=bool)
+    kept[group] = False
+    kept[np.ix_(group, first)] = True
+    pick = np.repeat(kept.reshape(-1), lengths.reshape(-1))
     inverse_rows = np.tile(np.arange(batch), (len(names), 1))
     inverse_rows[group] = inverse
-    pick = np.concatenate(picks)
     if counts is not None:
-        _count(counts, len(values), len(pick), lengths.size, sum(s[0] for s in strides))
+        _count(counts, len(values), int(pick.sum()), lengths.size, int(kept.sum()))
     return KeyedJaggedTensor(
         keys=names,
         values=torch.from_numpy(values[pick]),
         weights=None if weights is None else torch.from_numpy(weights[pick]),
-        lengths=torch.from_numpy(np.concatenate(out_lengths)),
-        stride_per_key_per_rank=strides,
+        lengths=torch.from_numpy(lengths[kept]),
+        stride_per_key_per_rank=[[int(n)] for n in kept.sum(axis=1)],
         inverse_indices=(names, torch.from_numpy(inverse_rows)),
     )
 
@@ -117,10 +116,3 @@ def _shared_bags(
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
     return first[order], rank[combination.reshape(-1)]
-
-
-def _bag_positions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Positions in the values of the bags starting at ``starts``, one after another."""
-    total = int(lengths.sum())
-    ends = np.cumsum(lengths)
-    return np.repeat(starts - (ends - lengths), lengths) + np.arange(total)
