@@ -129,11 +129,12 @@ def padded_lookup(
     FBGEMM 1.8's CPU TBE pools a variable batch by padding every feature to
     the largest feature's bags with empty bags, running the fixed-batch
     kernel, and copying each (rank, feature) block out with per-element
-    tensor indexing: 60-120 ms for 26 features of 1,024 bags on this
-    project's CPU, against 1 ms for the same bags at a fixed batch. This does
-    the same padding and runs the same kernel, so sums and the backward (the
+    tensor indexing: 60-120 ms forward for 26 features of up to 1,024 bags on
+    this project's CPU, against 1 ms for a fixed batch of 1,024. This does the
+    same padding and runs the same kernel, so the sums and the backward (the
     padded gradient, zeros on the empty bags) are the same, with a few
-    whole-tensor ops (about 2 ms). ``dims``: each feature's width.
+    whole-tensor ops: 0.7 ms forward, 1.6 ms with the backward.
+    ``dims``: each feature's width.
     """
     bags = torch.tensor([sum(ranks) for ranks in batch_size_per_feature_per_rank])
     features, max_b = len(bags), int(bags.max())
