@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from iopath.common.file_io import PathManager
 from torchrec.datasets.criteo import (
     CAT_FEATURE_COUNT,
@@ -40,6 +41,7 @@ from torchrec.datasets.criteo import (
     InMemoryBinaryCriteoIterDataPipe,
 )
 from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.dedup import DedupCounts, deduplicate
@@ -181,6 +183,31 @@ def loader(
         drop_last=stage == "train", hashes=num_embeddings,
         shuffle_batches=shuffle_batches and stage == "train",
     )  # fmt: skip
+
+
+def rank_slices(batches: Iterable[Batch], rank: int, world_size: int) -> Iterator[Batch]:
+    """This rank's share of each global batch: samples ``[rank * B, (rank + 1) * B)`` of
+    it, ``B`` = global batch / ``world_size``. So a global step holds the same samples at
+    any world size (the same data order, and a run can continue at another size)."""
+    for batch in batches:
+        samples = batch.labels.numel()
+        if samples % world_size:
+            raise DataError(f"a global batch of {samples} samples does not split into "
+                            f"{world_size} ranks")  # fmt: skip
+        size = samples // world_size
+        first, keys = rank * size, batch.sparse_features.keys()
+        lengths = batch.sparse_features.lengths().view(len(keys), samples)
+        kept = torch.zeros_like(lengths, dtype=torch.bool)
+        kept[:, first : first + size] = True
+        take = torch.repeat_interleave(kept.reshape(-1), lengths.reshape(-1))
+        weights = batch.sparse_features.weights_or_none()
+        features = KeyedJaggedTensor(
+            keys=keys, values=batch.sparse_features.values()[take],
+            weights=None if weights is None else weights[take],
+            lengths=lengths[:, first : first + size].reshape(-1), stride=size,
+        )  # fmt: skip
+        yield Batch(batch.dense_features[first : first + size], features,
+                    batch.labels[first : first + size])  # fmt: skip
 
 
 def deduplicated(batches: Iterable[Batch], counts: DedupCounts) -> Iterator[Batch]:

@@ -47,6 +47,7 @@ from data import (  # noqa: E402
     day_files,
     deduplicated,
     loader,
+    rank_slices,
     real_days,
     synthetic_days,
 )
@@ -402,12 +403,18 @@ class Run:
 
 
 def train_batches(args, days, rank: int, world_size: int, counts: DedupCounts, shuffle: bool):
-    """This rank's training batches over --epochs, deduplicated with --dedup (``counts``
-    sums the ids and bags it saves)."""
+    """This rank's share of each global batch (--batch_size per rank) over --epochs,
+    deduplicated with --dedup (``counts`` sums the ids and bags it saves).
+
+    Every rank reads the global batches and keeps its slice, so global step s
+    holds the same samples at any world size: a run can continue at another
+    world size (see "Failures" in the README).
+    """
     batches = itertools.chain.from_iterable(
-        loader(days, "train", args.batch_size, rank, world_size, args.num_embeddings, shuffle)
+        loader(days, "train", args.batch_size * world_size, 0, 1, args.num_embeddings, shuffle)
         for _ in range(args.epochs)
     )  # fmt: skip
+    batches = rank_slices(batches, rank, world_size)
     return deduplicated(batches, counts) if args.dedup else batches
 
 
