@@ -50,6 +50,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     the lookahead window; in eval mode (or without grad) the module looks up
     the current weights directly.
 
+    Deduplicated batches (a stride per key with ``inverse_indices``, as
+    TorchRec carries RecD batches) are taken as ``EmbeddingBagCollection``
+    takes them: the distinct bags are planned and looked up, the output is
+    expanded to the batch (see :mod:`~torchrec_lookahead.variable_batch`).
+
     ``state_dict()`` writes the cache back first, so it holds the full,
     current tables under the keys and shapes of ``EmbeddingBagCollection``;
     ``load_state_dict()`` writes into the store and reloads the cached rows.
