@@ -201,6 +201,23 @@ def train_lookahead(
             return outputs, pipeline
 
 
+def train_dropping_refused(model: TwoModuleModel, stream, lookahead: int = 3):
+    """Train through the pipeline as a user does who drops the batches it refuses
+    (``ValueError``) and goes on; returns (each step's logits, the refusals' messages)."""
+    from torchrec_lookahead import LookaheadTrainPipeline
+
+    dense = torch.optim.SGD(model.over.parameters(), lr=DENSE_LR)
+    pipeline = LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=lookahead)
+    it, outputs, errors = iter(stream), [], []
+    while True:
+        try:
+            outputs.append(pipeline.progress(it))
+        except StopIteration:
+            return outputs, errors
+        except ValueError as error:
+            errors.append(str(error))
+
+
 def assert_same_training_state(model: TwoModuleModel, twin: TwoModuleModel) -> None:
     """Every table, optimizer-state tensor and dense parameter equal, bitwise."""
     for source, target in ((model.unweighted, twin.unweighted), (model.weighted, twin.weighted)):

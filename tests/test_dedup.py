@@ -21,13 +21,13 @@ from models import (
     lookahead_model,
     reference_twin,
     session_batches,
+    train_dropping_refused,
     train_lookahead,
     train_reference,
 )
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead import LookaheadTrainPipeline
 from torchrec_lookahead.data.dedup import DedupCounts, deduplicate
 from torchrec_lookahead.variable_batch import check_variable_batch_optimizer
 
@@ -151,18 +151,7 @@ def test_bad_deduplicated_batches_are_refused_and_training_goes_on(changes, mess
     twin = reference_twin(model, "rowwise_adagrad")
     source = DEDUPED[5]
     bad = Batch(source.dense_features, _with(source.sparse_features, **changes()), source.labels)
-    stream = DEDUPED[:5] + [bad] + DEDUPED[5:]
-    pipeline = LookaheadTrainPipeline(
-        model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu"), lookahead=3
-    )
-    it, outputs, errors = iter(stream), [], []
-    while True:
-        try:
-            outputs.append(pipeline.progress(it))
-        except StopIteration:
-            break
-        except ValueError as error:  # the caller drops the batch and goes on
-            errors.append(str(error))
+    outputs, errors = train_dropping_refused(model, DEDUPED[:5] + [bad] + DEDUPED[5:])
     assert len(errors) == 1, errors
     assert re.search(message, errors[0]), errors[0]
     expected = train_reference(twin, DEDUPED)

@@ -13,6 +13,7 @@ from models import (
     batches,
     lookahead_model,
     reference_twin,
+    train_dropping_refused,
     train_lookahead,
     train_reference,
 )
@@ -69,18 +70,7 @@ def test_bad_ids_are_refused_and_training_goes_on(corrupt, message) -> None:
     model = lookahead_model("adagrad", cache_load_factor=0.1)
     twin = reference_twin(model, "adagrad")
     bad = with_values(DATA[5], corrupt(DATA[5].sparse_features.values()))
-    stream = DATA[:5] + [bad] + DATA[5:]
-    pipeline = LookaheadTrainPipeline(
-        model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu"), lookahead=3
-    )
-    it, outputs, errors = iter(stream), [], []
-    while True:
-        try:
-            outputs.append(pipeline.progress(it))
-        except StopIteration:
-            break
-        except ValueError as error:  # the caller drops the batch and goes on
-            errors.append(str(error))
+    outputs, errors = train_dropping_refused(model, DATA[:5] + [bad] + DATA[5:])
     assert len(errors) == 1 and message in errors[0]
     expected = train_reference(twin, DATA)
     assert all(torch.equal(a, b) for a, b in zip(outputs, expected)) and len(outputs) == 40
