@@ -181,25 +181,38 @@ class CacheTable:
                 host.copy_(dev, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
             rows = staged
-        for table, local, positions in self.pools[pool].by_table(ids):
+        store, parts = self._store_parts(pool, ids)
+        for table, local, positions in parts:
             if len(positions) == len(ids):
                 part = rows
             else:
                 where = _as_index(positions, torch.device("cpu"))
                 part = [r.index_select(0, where) for r in rows]
-            self.store.scatter(table, _as_index(local, torch.device("cpu")), part[0], part[1:])
+            store.scatter(table, _as_index(local, torch.device("cpu")), part[0], part[1:])
+
+    def _store_parts(
+        self, pool: int, ids: np.ndarray
+    ) -> tuple[HostStore, list[tuple[int, np.ndarray, np.ndarray]]]:
+        """Where a pool's ``ids`` live: a store and ``(table, rows, positions in ids)`` per
+        table; one table when the pool's tables lie back to back in the store (a pool's ids
+        are its tables' rows one after another, so they are that table's rows)."""
+        tables = self.pools[pool].tables
+        joined = self.store.joined(tables) if len(tables) > 1 else None
+        if joined is not None:
+            return joined, [(0, ids, np.arange(len(ids)))]
+        return self.store, list(self.pools[pool].by_table(ids))
 
     def _gather(self, pool: int, ids: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Rows ``ids`` of a pool from the store, in order: weights and optimizer state."""
-        parts = list(self.pools[pool].by_table(ids))
+        store, parts = self._store_parts(pool, ids)
         if len(parts) == 1:
             table, local, _ = parts[0]
-            return self.store.gather(table, _as_index(local, torch.device("cpu")))
+            return store.gather(table, _as_index(local, torch.device("cpu")))
         weights = self.store.staging_rows(len(ids), self._weights[pool])
         states = [self.store.staging_rows(len(ids), s) for s in self._states[pool]]
         for table, local, positions in parts:
             where = _as_index(positions, torch.device("cpu"))
-            got, got_states = self.store.gather(table, _as_index(local, torch.device("cpu")))
+            got, got_states = store.gather(table, _as_index(local, torch.device("cpu")))
             weights.index_copy_(0, where, got)
             for dst, src in zip(states, got_states):
                 dst.index_copy_(0, where, src)

@@ -72,6 +72,20 @@ class HostStore:
     def _rows(self, source: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return torch.index_select(source, 0, ids, out=self.staging_rows(len(ids), source))
 
+    def joined(self, tables: Sequence[int]) -> HostStore | None:
+        """``tables`` as one table (their rows one after another, weights and each state),
+        when they lie back to back in memory, as the tables of one FBGEMM TBE do; else None.
+
+        A pool of such tables then moves its rows with one gather or scatter per
+        tensor instead of one per table (the per-table calls dominated writing
+        back a 26-table cache).
+        """
+        columns = zip(*([self.weights[t], *self.states[t]] for t in tables))
+        joined = [_back_to_back(list(tensors)) for tensors in columns]
+        if any(j is None for j in joined):
+            return None
+        return HostStore(joined[:1], self._pin, [joined[1:]])
+
     def scatter(
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, states: Sequence[torch.Tensor]
     ) -> None:
@@ -83,6 +97,20 @@ class HostStore:
     def bytes_per_row(self, table: int) -> int:
         row = self.weights[table][0].numel() + sum(s[0].numel() for s in self.states[table])
         return 4 * row
+
+
+def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over ``tensors`` (equal row shapes) if each starts where the last ends."""
+    first = tensors[0]
+    end = first.data_ptr()
+    for tensor in tensors:
+        same = tensor.shape[1:] == first.shape[1:] and tensor.dtype == first.dtype
+        if not (same and tensor.is_contiguous() and tensor.data_ptr() == end):
+            return None
+        end += tensor.numel() * tensor.element_size()
+    rows = sum(len(t) for t in tensors)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (rows, *first.shape[1:]))  # fmt: skip
 
 
 class MmapStore(HostStore):
