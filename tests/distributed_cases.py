@@ -91,13 +91,19 @@ def build(ebc, sharders, case: Case, world_size: int, planner=None):
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), plan
 
 
-def train(pipeline, batches) -> list[torch.Tensor]:
+def train(pipeline, batches, refused: list[str] | None = None) -> list[torch.Tensor]:
+    """Each step's logits; with ``refused``, batches the pipeline refuses are dropped and
+    their messages collected there."""
     it, logits = iter(batches), []
     while True:
         try:
             logits.append(pipeline.progress(it)[1])
         except StopIteration:
             return logits
+        except ValueError as error:
+            if refused is None:
+                raise
+            refused.append(str(error))
 
 
 def local(value):
@@ -138,6 +144,20 @@ def deduplicated_sessions(batch: Batch, session: int) -> Batch:
     return Batch(batch.dense_features, deduplicate(plain, keys[:2]), batch.labels)
 
 
+def bad_inverse_indices(batch: Batch) -> Batch:
+    """``batch`` with the first sample's bag of the first feature out of range."""
+    features = batch.sparse_features
+    names, inverse = features.inverse_indices()
+    inverse = inverse.clone()
+    inverse[0, 0] = features.stride_per_key()[0]
+    bad = KeyedJaggedTensor(
+        keys=features.keys(), values=features.values(), lengths=features.lengths(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank(),
+        inverse_indices=(names, inverse),
+    )  # fmt: skip
+    return Batch(batch.dense_features, bad, batch.labels)
+
+
 def check(case: Case, rank: int, world_size: int) -> None:
     batches, (base, base_opt, base_plan) = rank_data_and_baseline(case, rank, world_size)
     sharders = [LookaheadEmbeddingBagCollectionSharder()]
@@ -153,7 +173,14 @@ def check(case: Case, rank: int, world_size: int) -> None:
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
     pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=case.lookahead,
                                       stage_thread=case.stage_thread)  # fmt: skip
-    got = train(pipeline, batches)
+    stream, refused = list(batches), []
+    if case.session:  # a batch with a bad inverse index on rank 0 only: every rank drops it
+        stream.insert(5, bad_inverse_indices(batches[5]) if rank == 0 else batches[5])
+    got = train(pipeline, stream, refused)
+    if case.session:
+        assert len(refused) == 1, refused
+        want = "another rank refused" if rank else "step 5: feature 'cat_0': inverse index"
+        assert want in refused[0], refused
     assert len(got) == len(expected) == case.steps
     for step, (a, b) in enumerate(zip(expected, got)):
         assert torch.equal(a, b), f"{case}: rank {rank} step {step} output differs"
