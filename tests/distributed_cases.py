@@ -194,7 +194,43 @@ def check(case: Case, rank: int, world_size: int) -> None:
         files = sorted(p.name for p in Path(store_dir, f"rank{rank}").rglob("*.f32"))
         assert files and all(name.startswith("lookup") for name in files), files
         assert list(Path(store_dir, f"rank{rank}").rglob("oracle.*.i64"))
+        check_streamed_checkpoint(case, world_size, (look, look_opt), (base, base_opt))
         shutil.rmtree(store_dir)
+
+
+def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
+    """A streamed DCP save of the trained lookahead model (tables and optimizer state in
+    row chunks of at most 4 KiB) loads into a fresh plain TorchRec model, which then
+    holds exactly the plain run's state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from torchrec_lookahead.checkpoint import StreamingSavePlanner
+
+    path = [tempfile.mkdtemp(prefix="lookahead-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    chunk_bytes = 4096
+    dcp.save({"model": look[0].state_dict(), "optim": look[1].state_dict()},
+             checkpoint_id=path[0], planner=StreamingSavePlanner(chunk_bytes))  # fmt: skip
+    tables_md = [md for fqn, md in dcp.FileSystemReader(path[0]).read_metadata()
+                 .state_dict_metadata.items() if "embedding_bags" in fqn]  # fmt: skip
+    assert tables_md
+    for md in tables_md:
+        assert len(md.chunks) > world_size, "a table larger than a chunk was saved whole"
+        assert all(c.sizes.numel() * 4 <= chunk_bytes for c in md.chunks)
+    fresh = build(EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
+                  [EmbeddingBagCollectionSharder()], case, world_size)  # fmt: skip
+    state = {"model": fresh[0].state_dict(), "optim": fresh[1].state_dict()}
+    whole_shards = DefaultLoadPlanner(flatten_sharded_tensors=False)
+    dcp.load(state, checkpoint_id=path[0], planner=whole_shards)
+    fresh[0].load_state_dict(state["model"])
+    fresh[1].load_state_dict(state["optim"])
+    assert_equal_states(base[0].state_dict(), fresh[0].state_dict(), f"{case} streamed weights")
+    assert_equal_states(base[1].state_dict()["state"], fresh[1].state_dict()["state"],
+                        f"{case} streamed optimizer")  # fmt: skip
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0])
 
 
 def _in_process_group(rank: int, world_size: int, port: int, body) -> None:  # noqa: ANN001

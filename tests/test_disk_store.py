@@ -159,3 +159,31 @@ def test_dcp_checkpoints_are_interchangeable_with_plain_torchrec(tmp_path):
     back = plain.state_dict()
     dcp.load(back, checkpoint_id=tmp_path / "disk")
     assert bool((plain.embedding_bags["t2"].weight == 1).all())
+
+
+def test_streamed_dcp_checkpoints_are_saved_in_chunks_and_load_anywhere(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from torchrec_lookahead.checkpoint import StreamingSavePlanner
+
+    (tmp_path / "store").mkdir()
+    torch.manual_seed(0)
+    on_disk = LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path / "store")
+    torch.manual_seed(1)
+    plain = EmbeddingBagCollection(tables=tables())
+    streamed = StreamingSavePlanner
+    dcp.save(on_disk.state_dict(), checkpoint_id=tmp_path / "disk", planner=streamed(1024))
+    saved = dcp.FileSystemReader(tmp_path / "disk").read_metadata().state_dict_metadata
+    # 1001 x 8 floats in 32-row chunks; 7 x 1 in one; 333 x 4 in 64-row chunks
+    assert [len(saved[f"embedding_bags.t{i}.weight"].chunks) for i in range(3)] == [32, 1, 6]
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path / "disk")
+    for key, value in on_disk.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value), key
+    torch.nn.init.ones_(plain.embedding_bags["t0"].weight)  # and back, chunk by chunk
+    dcp.save(plain.state_dict(), checkpoint_id=tmp_path / "plain", planner=streamed(1024))
+    state = on_disk.state_dict()
+    dcp.load(state, checkpoint_id=tmp_path / "plain")
+    assert bool((on_disk.embedding_bags["t0"].weight == 1).all())
+    with pytest.raises(ValueError, match="chunk_bytes must be positive"):
+        StreamingSavePlanner(0)

@@ -1,0 +1,80 @@
+"""Streamed ``torch.distributed.checkpoint`` saves: large tensors written in row chunks.
+
+DCP writes each tensor, or each local shard of a sharded one, as a single item.
+Two of its steps then hold a whole item in memory: the writer copies a tensor
+that is a view of a larger buffer (every TorchRec shard of a TBE's weights is
+one) before writing it, and the file reader loads a whole saved item before
+copying it into place. For a disk store's tables, larger than RAM, neither
+fits. :class:`StreamingSavePlanner` saves every tensor larger than
+``chunk_bytes`` as row ranges, each its own item (the chunks shards of a
+sharded tensor would be), so saving copies one chunk at a time and loading
+such a checkpoint reads one chunk at a time, with any load planner.
+
+The result is an ordinary DCP checkpoint: plain TorchRec loads it at any world
+size, and this project loads plain TorchRec's (a plain checkpoint's items are
+whole shards, so loading one still reads a shard at a time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class StreamingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner with every tensor item over ``chunk_bytes`` split
+    along its first dimension into items of at most ``chunk_bytes`` (at least one
+    row each). Use it wherever ``dcp.save`` takes a ``planner``."""
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        super().__init__()
+        self.chunk_bytes = chunk_bytes
+        # chunk index -> (the whole item it was cut from, first row in it, rows)
+        self._sources: dict[MetadataIndex, tuple[WriteItem, int, int]] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        self._sources.clear()
+        items = [chunk for item in plan.items for chunk in self._split(item)]
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        source = self._sources.get(write_item.index)
+        if source is None:
+            return super().resolve_data(write_item)
+        whole, first, rows = source
+        return super().resolve_data(whole).narrow(0, first, rows)
+
+    def _split(self, item: WriteItem) -> list[WriteItem]:
+        """``item`` as row-range items of at most ``chunk_bytes`` (itself if it is small)."""
+        data = item.tensor_data
+        if data is None or len(data.chunk.sizes) == 0:
+            return [item]
+        sizes, offsets = data.chunk.sizes, data.chunk.offsets
+        row_bytes = math.prod(sizes[1:]) * data.properties.dtype.itemsize
+        rows_per_chunk = max(1, self.chunk_bytes // max(1, row_bytes))
+        if sizes[0] <= rows_per_chunk:
+            return [item]
+        chunks = []
+        for first in range(0, sizes[0], rows_per_chunk):
+            rows = min(rows_per_chunk, sizes[0] - first)
+            chunk = ChunkStorageMetadata(
+                offsets=torch.Size([offsets[0] + first, *offsets[1:]]),
+                sizes=torch.Size([rows, *sizes[1:]]),
+            )
+            index = MetadataIndex(item.index.fqn, chunk.offsets)
+            self._sources[index] = (item, first, rows)
+            piece = TensorWriteData(chunk, data.properties, data.size)
+            chunks.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=piece))
+        return chunks
