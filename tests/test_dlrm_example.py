@@ -128,6 +128,11 @@ def bad_npy_folder(tmp: Path) -> str:
         (["--resume"], 2, "need --save_dir"),
         (["--async_checkpoint"], 2, "--async_checkpoint needs --save_dir"),
         (
+            "--save_dir EMPTY --async_checkpoint --store_dir EMPTY".split(),
+            2,
+            "--async_checkpoint copies every table into RAM",
+        ),
+        (
             "--save_dir EMPTY --checkpoint_every 10 --fail_at_step 15 --fail_in checkpoint".split(),
             2,
             "a multiple of --checkpoint_every",

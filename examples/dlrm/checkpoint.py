@@ -1,5 +1,7 @@
 """Atomic checkpoints with ``torch.distributed.checkpoint``, written in the foreground or behind
-training; a checkpoint is either complete and published or never read."""
+training; a checkpoint is either complete and published or never read. Tables are written
+in row chunks (:class:`~torchrec_lookahead.checkpoint.StreamingSavePlanner`), so saving and
+loading a disk store's tables never needs a whole table in memory."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
+
+from torchrec_lookahead.checkpoint import StreamingSavePlanner
 
 PATHS = PathManager()
 
@@ -99,7 +103,10 @@ class Checkpointer:
 
     A step is saved once: the state of a step this process already saved or
     loaded is that checkpoint, so saving it again (the end of the data on a
-    checkpoint step, a resumed run ending where it resumed) does nothing.
+    checkpoint step, a resumed run ending where it resumed) does nothing. A save
+    whose write fails (a full disk) raises a ``RuntimeError`` naming its folder;
+    ``latest`` still names the last complete checkpoint, and the step can be
+    saved again.
     """
 
     def __init__(self, root: str, asynchronous: bool = False,
@@ -131,11 +138,12 @@ class Checkpointer:
         if step == self.step:
             return
         start = time.perf_counter()
-        self.step = step
         if self._thread is None:
             self._write(step, state(), dist.group.WORLD)
+            self.step = step
         else:
             self.wait()
+            self.step = step  # taken back if the write fails (``wait``)
             self._copy = snapshot(state(), self._copy)
             self._pending = self._thread.submit(self._write, step, self._copy, self._group)
         self.stall_s.append(time.perf_counter() - start)
@@ -143,8 +151,9 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the save in flight (if any) is published; raise its error."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        if pending is not None and pending.exception() is not None:
+            self.step = None  # not saved: saving that step again must write it
+            raise pending.exception()
 
     def close(self) -> None:
         """Finish the save in flight and stop the background thread."""
@@ -164,7 +173,16 @@ class Checkpointer:
             PATHS.mkdirs(self.root)
         dist.barrier(group=group)
         writer = _Writer(partial, step, self._written) if self._written else None
-        dcp.save(state, checkpoint_id=partial, storage_writer=writer, process_group=group)
+        try:
+            dcp.save(state, checkpoint_id=partial, storage_writer=writer, process_group=group,
+                     planner=StreamingSavePlanner())  # fmt: skip
+        except (Exception, dcp.CheckpointException) as error:  # DCP wraps every rank's error
+            free_gb = shutil.disk_usage(self.root).free / 1e9
+            raise RuntimeError(
+                f"writing checkpoint step {step} into {partial} failed ({free_gb:.1f} GB free "
+                f"there); {os.path.join(self.root, 'latest')} still names the last complete "
+                f"checkpoint. Cause: {error}"
+            ) from error
         dist.barrier(group=group)
         if rank0:
             shutil.rmtree(final, ignore_errors=True)  # an unpublished leftover: not latest

@@ -192,6 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--resume continues the lookahead run only; run --baseline from the start")
     if args.async_checkpoint and not args.save_dir:
         p.error("--async_checkpoint needs --save_dir")
+    if args.async_checkpoint and args.store_dir:
+        p.error("--async_checkpoint copies every table into RAM; with --store_dir checkpoints "
+                "are written in the foreground, streamed from the store files")  # fmt: skip
     if args.save_dir and not args.resume and first_attempt() and (found := latest(args.save_dir)):
         p.error(f"--save_dir {args.save_dir} already holds a checkpoint "
                 f"({os.path.basename(found)}); pass --resume to continue from it, or choose "

@@ -1,0 +1,46 @@
+"""The example's checkpoints when a write fails part way (a full disk, a file size limit):
+a clear error naming the folder, and the last complete checkpoint still published and
+loadable."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "dlrm"))
+from checkpoint import Checkpointer, latest  # noqa: E402
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_failed_write_leaves_the_last_checkpoint_published(tmp_path: Path, one_rank) -> None:
+    root = tmp_path / "ckpt"
+    saver = Checkpointer(str(root))
+    saver.save(1, lambda: {"w": torch.ones(1 << 18), "step": 1})
+    # The kernel refuses writes past 64 KiB (EFBIG, as ENOSPC on a full disk) mid-save.
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, limit[1]))
+    try:
+        with pytest.raises(RuntimeError, match=r"writing checkpoint step 2 into .*step_00000002"):
+            saver.save(2, lambda: {"w": torch.full((1 << 18,), 2.0), "step": 2})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert latest(str(root)) == str(root / "step_00000001")
+    state = {"w": torch.zeros(1 << 18), "step": 0}
+    assert Checkpointer(str(root)).load(state) == str(root / "step_00000001")
+    assert state["step"] == 1 and bool((state["w"] == 1).all())
+    saver.save(2, lambda: {"w": torch.full((1 << 18,), 2.0), "step": 2})  # space again: it saves
+    assert latest(str(root)) == str(root / "step_00000002")
