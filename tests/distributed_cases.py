@@ -203,9 +203,8 @@ def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
     row chunks of at most 4 KiB) loads into a fresh plain TorchRec model, which then
     holds exactly the plain run's state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    from torchrec_lookahead.checkpoint import StreamingSavePlanner
+    from torchrec_lookahead.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
 
     path = [tempfile.mkdtemp(prefix="lookahead-ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)
@@ -221,8 +220,7 @@ def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
     fresh = build(EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
                   [EmbeddingBagCollectionSharder()], case, world_size)  # fmt: skip
     state = {"model": fresh[0].state_dict(), "optim": fresh[1].state_dict()}
-    whole_shards = DefaultLoadPlanner(flatten_sharded_tensors=False)
-    dcp.load(state, checkpoint_id=path[0], planner=whole_shards)
+    dcp.load(state, checkpoint_id=path[0], planner=StreamingLoadPlanner())
     fresh[0].load_state_dict(state["model"])
     fresh[1].load_state_dict(state["optim"])
     assert_equal_states(base[0].state_dict(), fresh[0].state_dict(), f"{case} streamed weights")

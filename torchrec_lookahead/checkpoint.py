@@ -13,6 +13,11 @@ such a checkpoint reads one chunk at a time, with any load planner.
 The result is an ordinary DCP checkpoint: plain TorchRec loads it at any world
 size, and this project loads plain TorchRec's (a plain checkpoint's items are
 whole shards, so loading one still reads a shard at a time).
+
+Store files are mapped ``MADV_RANDOM`` (the window reads rows ahead), so a
+pass over a whole table would fault one page at a time; both planners ask the
+kernel for a chunk's pages before DCP touches them (:func:`~torchrec_lookahead.disk.will_need`),
+so checkpoints read and write store files in large requests.
 """
 
 from __future__ import annotations
@@ -22,9 +27,16 @@ import math
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, SavePlan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    ReadItem,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+
+from torchrec_lookahead.disk import will_need
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -54,7 +66,11 @@ class StreamingSavePlanner(DefaultSavePlanner):
         if source is None:
             return super().resolve_data(write_item)
         whole, first, rows = source
-        return super().resolve_data(whole).narrow(0, first, rows)
+        tensor = super().resolve_data(whole)
+        # DCP writes the chunks of a tensor one after another: this one's pages and the
+        # next one's are read from a store file while this one is copied and written.
+        will_need(tensor.narrow(0, first, min(2 * rows, tensor.shape[0] - first)))
+        return tensor.narrow(0, first, rows)
 
     def _split(self, item: WriteItem) -> list[WriteItem]:
         """``item`` as row-range items of at most ``chunk_bytes`` (itself if it is small)."""
@@ -78,3 +94,19 @@ class StreamingSavePlanner(DefaultSavePlanner):
             piece = TensorWriteData(chunk, data.properties, data.size)
             chunks.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=piece))
         return chunks
+
+
+class StreamingLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that asks for each target's pages before DCP copies
+    a saved chunk into them (a store file is then read in large requests, not a page
+    per fault). It keeps TorchRec's sharded tensors whole
+    (``flatten_sharded_tensors=False``): flattened, a table with no shard on a rank
+    loses its key there, and DCP then takes a multi-rank checkpoint for a pre-2.4 one."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_sharded_tensors=False)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        tensor = super().resolve_tensor(read_item)
+        will_need(tensor)
+        return tensor

@@ -39,12 +39,13 @@ import numpy as np
 import torch
 from numba import njit, types
 
-__all__ = ["StoreFiles", "anonymous_rss_bytes"]
+__all__ = ["StoreFiles", "anonymous_rss_bytes", "will_need"]
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _LAYOUT = "layout.json"
 _libc = ctypes.CDLL(None, use_errno=True)
-_MADV_RANDOM, _MADV_DONTNEED = 1, 4  # <sys/mman.h>
+_MADV_RANDOM, _MADV_WILLNEED, _MADV_DONTNEED = 1, 3, 4  # <sys/mman.h>
+_WILLNEED_STEP = 2 << 20
 _SUFFIX = {torch.float32: "f32", torch.int64: "i64"}  # file name suffix of each dtype
 _WILLNEED = os.POSIX_FADV_WILLNEED
 _posix_fadvise = types.ExternalFunction(
@@ -256,6 +257,22 @@ class StoreFiles:
         partial = path.with_suffix(".json.tmp")
         partial.write_text(json.dumps(self._layout, indent=1))
         os.replace(partial, path)
+
+
+def will_need(tensor: torch.Tensor) -> None:
+    """Start reading the pages under ``tensor`` now, in large requests. Store mappings are
+    ``MADV_RANDOM`` (the window reads rows ahead), so a sequential pass over one (a
+    checkpoint) would otherwise read one page per fault: 1 GiB in 10 s here, 0.4 s
+    advised. Advice only: on memory that is no file's it does nothing."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return
+    span = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) + 1
+    first = tensor.data_ptr() // PAGE * PAGE
+    end = tensor.data_ptr() + span * tensor.element_size()
+    # The kernel reads at most its read-ahead window (8 MiB here) per call.
+    for start in range(first, end, _WILLNEED_STEP):
+        length = ctypes.c_size_t(min(_WILLNEED_STEP, end - start))
+        _libc.madvise(ctypes.c_void_p(start), length, _MADV_WILLNEED)
 
 
 def _madvise(mapped: torch.Tensor, advice: int) -> None:

@@ -258,6 +258,11 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         }
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
+    @property
+    def store_files(self) -> StoreFiles | None:
+        """This rank's disk store files (``store_dir``), or ``None`` (tables in host memory)."""
+        return self._store_files
+
     def _create_lookups(self) -> None:
         files = self._store_files
         for index, sharding in enumerate(self._embedding_shardings):

@@ -17,11 +17,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from iopath.common.file_io import PathManager
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-from torch.distributed.checkpoint import DefaultLoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from torchrec_lookahead.checkpoint import StreamingSavePlanner
+from torchrec_lookahead.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
 
 PATHS = PathManager()
 
@@ -125,11 +125,7 @@ class Checkpointer:
         newest complete checkpoint; returns its path, or None when there is none."""
         path = latest(self.root)
         if path is not None:
-            # Kept whole, a table sharded to another rank (no local shard) keeps its key;
-            # dropped, DCP takes the checkpoint for a pre-2.4 one and fails on any state
-            # that is all empty dicts (SGD's optimizer state) whenever world size > 1.
-            planner = DefaultLoadPlanner(flatten_sharded_tensors=False)
-            dcp.load(state, checkpoint_id=path, planner=planner)
+            dcp.load(state, checkpoint_id=path, planner=StreamingLoadPlanner())
             self.step = state["step"]
         return path
 
