@@ -67,14 +67,17 @@ def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None
     store.mkdir()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "disk_store.py"), "--out", str(tmp_path),
            "--scale", "0.001", "--batch-size", "64", "--steps", "12", "--warmup", "2",
-           "--repeats", "1", "--huge-gb", "0.02", "--huge-steps", "12",
-           "--store-dir", str(store)]  # fmt: skip
+           "--repeats", "1", "--huge-gb", "0.02", "--huge-steps", "12", "--checkpoint-gb",
+           "0.02", "--checkpoint-steps", "2", "--store-dir", str(store)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    assert "disk, no read-ahead" in out and "larger than RAM" in out
+    assert "disk, no read-ahead" in out and "larger than RAM" in out and "DCP checkpoints" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["fits"]) == 6 and all(r["step_ms"] > 0 for r in report["fits"])
     assert report["huge"]["rows"] > 0 and 0 < report["huge"]["hit_rate"] < 1
     assert report["huge"]["private_mb"] > 0
+    saved = {r["planner"]: r for r in report["checkpoint"]}
+    assert set(saved) == {"streamed", "default"}
+    assert all(r["checkpoint_gb"] >= r["store_gb"] and r["load_s"] > 0 for r in saved.values())
     assert not any(store.iterdir()), "the store files must be removed"
 
 
