@@ -1,4 +1,4 @@
-"""Streamed ``torch.distributed.checkpoint`` saves: large tensors written in row chunks.
+"""Streamed ``torch.distributed.checkpoint``: large tensors saved and loaded in row chunks.
 
 DCP writes each tensor, or each local shard of a sharded one, as a single item.
 Two of its steps then hold a whole item in memory: the writer copies a tensor
