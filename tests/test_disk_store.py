@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 
 import pytest
 import torch
@@ -28,10 +27,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 import torchrec_lookahead.modules as modules
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.cache import CacheTable
-from torchrec_lookahead.cached_tables import CachedTables
 from torchrec_lookahead.disk import StoreFiles, advise_rows
-from torchrec_lookahead.store import MmapStore
 
 DATA = batches(60)
 
@@ -79,44 +75,6 @@ def test_training_on_disk_matches_all_resident_training(optimizer, workers, tmp_
         assert (tmp_path / "t0" / "t2.state0.f32").exists()
     # The oracles' per-row tables are store files too (one per pool and partition).
     assert len(list((tmp_path / "t0").glob("oracle.*.i64"))) >= workers
-
-
-def test_rows_to_write_back_are_read_ahead_when_their_plan_is_made(tmp_path, monkeypatch):
-    """A row's page may have left the page cache while the row sat in the cache; its
-    write-back would read the page again, one page at a time on the executor, unless
-    the reader is asked for it when the plan is made (d steps before the move)."""
-    planning = threading.local()
-    asked_when_planned: set[tuple[int, int, int]] = set()  # (store, table, row)
-    lock = threading.Lock()
-
-    def planned(tables, plans):
-        planning.active = True
-        try:
-            return real_planned(tables, plans)
-        finally:
-            planning.active = False
-
-    def read_ahead(store, rows):
-        if getattr(planning, "active", False):
-            with lock:
-                asked_when_planned.update((id(store), t, int(r)) for t, ids in rows for r in ids)
-        real_read_ahead(store, rows)
-
-    def apply(cache, pool, plan):
-        with lock:
-            by_table = cache.pools[pool].by_table(plan.evict_ids)
-            evicted = {(id(cache.store), t, int(r)) for t, ids, _ in by_table for r in ids}
-            assert evicted <= asked_when_planned
-        real_apply(cache, pool, plan)
-
-    real_planned, real_read_ahead = CachedTables._planned, MmapStore.read_ahead
-    real_apply = CacheTable.apply
-    monkeypatch.setattr(CachedTables, "_planned", planned)
-    monkeypatch.setattr(MmapStore, "read_ahead", read_ahead)
-    monkeypatch.setattr(CacheTable, "apply", apply)
-    model = lookahead_model("sgd", cache_load_factor=0.1, store_dir=tmp_path)
-    _, pipeline = train_lookahead(model, DATA[:30], 8, 1)
-    assert pipeline.cache_metrics()["total"].rows_written_back > 0
 
 
 def test_state_dicts_are_interchangeable_with_plain_torchrec(tmp_path):

@@ -225,9 +225,8 @@ class CachedTables:
         self.step_counts[prepared.step] = (distinct, np.zeros_like(distinct))
         self._positions[prepared.step] = prepared.positions
         self._entered += 1
-        if self.cache.store.reads_ahead:  # the rows its step may fetch: those not resident now
-            absent = [oracle.absent(b) for oracle, b in zip(self._oracles, prepared.batches)]
-            self._read_ahead(absent)
+        if self.cache.store.reads_ahead:
+            self._read_ahead(prepared)
         plans = [oracle.push(batch) for oracle, batch in zip(self._oracles, prepared.batches)]
         return self._planned(plans)
 
@@ -298,14 +297,15 @@ class CachedTables:
             self.cache.resize(self._pool_slots())
         self._oracles = [self._planner(slots, p) for p, slots in enumerate(self.cache.slots)]
 
-    def _read_ahead(self, pool_ids: list[np.ndarray]) -> None:
-        """Start reading the store pages of these rows (per pool): rows a batch entering the
-        window may fetch (L + d steps ahead, so disk latency hides behind the window; one
-        evicted before its step is read again on demand), and rows a plan writes back (d
-        steps ahead: writing a row into a page that left the page cache reads the page
-        first, one at a time on the executor unless asked for together here)."""
-        rows = [(table, ids) for pool, ids in zip(self.pools, pool_ids)
-                for table, ids, _ in pool.by_table(ids)]  # fmt: skip
+    def _read_ahead(self, prepared: PreparedStep) -> None:
+        """Start reading the rows this batch's step may fetch: those not resident now.
+
+        L + d steps before they are needed, so disk latency hides behind the
+        window; a row evicted before its step comes is read again on demand.
+        """
+        rows = [(table, ids)
+                for pool, oracle, batch in zip(self.pools, self._oracles, prepared.batches)
+                for table, ids, _ in pool.by_table(oracle.absent(batch))]  # fmt: skip
         self.cache.store.read_ahead(rows)
 
     def _planner(self, slots: int, pool: int) -> CachePlanner:
@@ -342,8 +342,6 @@ class CachedTables:
         self._counts["rows_fetched"] += fetched
         self._counts["rows_written_back"] += evicted
         self._counts["bytes_moved"] += (fetched + evicted) * self._row_bytes
-        if self.cache.store.reads_ahead and evicted.any():
-            self._read_ahead([plan.evict_ids for plan in plans])
         moves = [partial(self.cache.apply, p, plan) for p, plan in enumerate(plans)
                  if len(plan.fetch_ids) or len(plan.evict_ids)]  # fmt: skip
         self._steps += 1
