@@ -8,10 +8,11 @@ where the misses are (Belady across tables) instead of a fixed split per
 table. FBGEMM's own UVM cache is shared by the tables of a TBE the same way.
 
 Sharing needs the fused optimizer's update of a row not to depend on the
-table layout. FBGEMM's CPU EXACT_SGD and EXACT_ADAGRAD qualify; its CPU
-EXACT_ROWWISE_ADAGRAD does not (a table serving several features takes
-another code path, which rounds differently), so under it, and under every
-optimizer not checked, each table keeps a pool of its own.
+table layout. The cache TBE still shows FBGEMM each table of a pool as a
+table of its own (see ``cache._split_pooled_tables``), so the update runs
+per table as in plain TorchRec; checked bitwise for EXACT_SGD, EXACT_ADAGRAD
+and EXACT_ROWWISE_ADAGRAD. Under any other optimizer each table keeps a pool
+of its own.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 __all__ = ["SHARING_OPTIMIZERS", "SlotPool", "slot_pools"]
 
-# Optimizers whose FBGEMM update is bitwise the same when tables share one TBE table.
-SHARING_OPTIMIZERS = frozenset({EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD})
+# Optimizers whose FBGEMM update is checked bitwise the same when tables share a pool.
+SHARING_OPTIMIZERS = frozenset(
+    {EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+)
 
 
 @dataclass(frozen=True)
