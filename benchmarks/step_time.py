@@ -124,7 +124,8 @@ def run_unsharded(args: argparse.Namespace) -> dict:
     base_times, _ = timed_training(resident_step, batches, "all resident")
     pipeline = LookaheadTrainPipeline(cached, dense(cached), torch.device("cpu"),
                                       lookahead=args.lookahead,
-                                      prefetch_distance=args.prefetch_distance)  # fmt: skip
+                                      prefetch_distance=args.prefetch_distance,
+                                      stage_thread=STAGE_THREAD[args.stage])  # fmt: skip
     it = iter(batches)
     times, parts = timed_training(lambda _: pipeline.progress(it), batches, "lookahead",
                                   pipeline.timings)  # fmt: skip
@@ -202,7 +203,8 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
                                    f"rank {rank} plain TorchRec")  # fmt: skip
     pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"),
                                       lookahead=args.lookahead,
-                                      prefetch_distance=args.prefetch_distance)  # fmt: skip
+                                      prefetch_distance=args.prefetch_distance,
+                                      stage_thread=STAGE_THREAD[args.stage])  # fmt: skip
     it = iter(batches)
     times, parts = timed_training(lambda _: pipeline.progress(it), batches,
                                   f"rank {rank} lookahead", pipeline.timings)  # fmt: skip
@@ -275,6 +277,7 @@ def summarise(args, base_times, times, parts, pipeline, same, cache_rows_, rows)
     }  # fmt: skip
 
 
+STAGE_THREAD = {"thread": True, "inline": False}  # --stage: stage_thread=
 PARTS = (("stage_ms", "stage wait"), ("wait_ms", "executor wait"), ("compute_ms", "fwd/bwd/opt"),
          ("other_ms", "other"))  # fmt: skip
 
@@ -322,6 +325,12 @@ def main() -> None:
     parser.add_argument("--dense-lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="baseline/lookahead pairs")
+    parser.add_argument(
+        "--stage",
+        choices=sorted(STAGE_THREAD),
+        default="thread",
+        help="the lookahead stage on its thread (the default) or inline",
+    )
     args = parser.parse_args()
     if args.warmup >= args.steps:
         parser.error("--warmup must be smaller than --steps")

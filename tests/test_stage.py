@@ -17,12 +17,13 @@ from models import (
 )
 
 from torchrec_lookahead import LookaheadTrainPipeline
+from torchrec_lookahead.cache import CacheTable
 
 DATA = batches(30)
 THREADS = ("lookahead-stage", "lookahead-executor")
 
 
-def pipeline_for(model, lookahead: int = 4, threaded: bool | None = True) -> LookaheadTrainPipeline:
+def pipeline_for(model, lookahead: int = 4, threaded: bool = True) -> LookaheadTrainPipeline:
     dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
     return LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=lookahead,
                                   stage_thread=threaded)  # fmt: skip
@@ -124,20 +125,38 @@ def test_ctrl_c_during_a_step_stops_every_thread(live_threads, threaded) -> None
     assert live_threads() == []
 
 
-def test_the_default_takes_a_thread_only_with_a_core_to_spare() -> None:
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_stage_thread_yields_the_cores_to_the_trainer(live_threads, monkeypatch) -> None:
+    """By default the stage runs on its thread, at idle priority, with one intra-op
+    thread, and the executor's moves on one intra-op thread; the trainer's own thread
+    keeps its priority and intra-op threads."""
     model = lookahead_model("sgd", cache_load_factor=0.1)
+    seen, moved = set(), set()
+    prepare = model.unweighted.prepare
+    apply = CacheTable.apply
 
-    def threaded(torch_threads: int) -> bool:
-        torch.set_num_threads(torch_threads)
-        with pipeline_for(model, threaded=None) as pipeline:
-            return pipeline._stage.threaded
+    def spy_apply(self, pool, plan):
+        moved.add((threading.current_thread().name, torch.get_num_threads()))
+        return apply(self, pool, plan)
 
-    before = torch.get_num_threads()
-    try:
-        assert not threaded(os.cpu_count())
-        assert threaded(max(1, os.cpu_count() - 1)) == (os.cpu_count() > 1)
-    finally:
-        torch.set_num_threads(before)
+    monkeypatch.setattr(CacheTable, "apply", spy_apply)
+
+    def spy(features):
+        seen.add((threading.current_thread().name, os.sched_getscheduler(0),
+                  torch.get_num_threads()))  # fmt: skip
+        return prepare(features)
+
+    model.unweighted.prepare = spy
+    trainer = (os.sched_getscheduler(0), torch.get_num_threads())
+    dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+    with LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=4) as pipeline:
+        it = iter(DATA)
+        for _ in range(5):
+            pipeline.progress(it)
+        assert seen == {("lookahead-stage", os.SCHED_IDLE, 1)}
+        assert moved == {("lookahead-executor", 1)}
+        assert (os.sched_getscheduler(0), torch.get_num_threads()) == trainer
+    assert live_threads() == []
 
 
 def test_the_context_manager_closes_a_pipeline_left_mid_data(live_threads) -> None:

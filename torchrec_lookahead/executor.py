@@ -63,6 +63,9 @@ class PlanExecutor:
             self._thread.join()
 
     def _run(self) -> None:
+        # This thread's torch ops run on one intra-op thread: a second OpenMP team, spinning
+        # beside the trainer's, slowed the trainer's compute by up to 2x on 2 cores.
+        torch.set_num_threads(1)
         while (job := self._jobs.get()) is not None:
             step, moves, issue = job
             try:

@@ -24,7 +24,7 @@ class LookaheadTrainPipeline(TrainPipeline):
     """Trains a model holding ``LookaheadEmbeddingBagCollection``s, one batch per ``progress``.
 
     The :class:`~torchrec_lookahead.stage.LookaheadStage` (on a background thread
-    where a core is spare, else inline; see ``stage_thread`` below) reads
+    of idle priority, or inline; see ``stage_thread`` below) reads
     batches ahead, distributes them (under ``DistributedModelParallel``) and
     plans them with every table's oracle; the trainer keeps a window of the
     next ``lookahead + prefetch_distance`` planned batches. The row moves of
@@ -43,9 +43,9 @@ class LookaheadTrainPipeline(TrainPipeline):
     as many threads (:class:`~torchrec_lookahead.partitioned.PartitionedOracle`):
     worth it only with cores to spare; plans stay exact, misses change little.
 
-    ``stage_thread`` runs the stage on its own thread (``True``) or inline on the
-    trainer's (``False``); the default takes the thread only when the machine
-    has a core beyond torch's intra-op threads (see :mod:`~torchrec_lookahead.stage`).
+    ``stage_thread`` runs the stage on its own thread (``True``, the default), which
+    takes only the cycles the trainer leaves idle (see :mod:`~torchrec_lookahead.stage`),
+    or inline on the trainer's (``False``).
 
     The first ``progress`` binds the data iterator; the stage reads it until it
     ends. A batch that cannot be planned (unknown feature, bad id, a window that
@@ -64,7 +64,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         lookahead: int = 16,
         prefetch_distance: int = 1,
         planning_workers: int = 1,
-        stage_thread: bool | None = None,
+        stage_thread: bool = True,
     ) -> None:
         super().__init__()
         if lookahead < 1:

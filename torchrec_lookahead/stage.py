@@ -1,7 +1,7 @@
 """The lookahead stage: reads batches ahead, distributes and plans them off the trainer thread.
 
-A background thread (or, without a core to spare, the trainer itself when it
-asks for the next batch) takes batches from the data loader, moves them to the
+A background thread (or, if asked, the trainer itself when it asks for the
+next batch) takes batches from the data loader, moves them to the
 device, lets every lookahead module ``prepare`` them (under DMP: the id
 check, ``input_dist`` and the vote on bad batches, on a process group of the
 stage's own) and ``enter`` them, and queues each batch with the moves of the
@@ -14,12 +14,14 @@ as that error, in its place; any other error ends the stage and is queued
 with the batch it happened at. ``close`` stops the thread, also while it
 waits on a full queue.
 
-The thread pays off only with a core to spare: on this project's 2-core CPU
-machine, with the trainer's two compute threads busy, a planning thread made
-each step's compute 40-80% slower (benchmarks/step_time.py), far more than
-the ~1.4 ms of planning it moved off the critical path. So by default the
-stage runs on a thread only when the machine has more cores than torch's
-intra-op threads, and inline otherwise.
+The thread must not slow the step it hides behind. On this project's 2-core
+CPU machine, where the trainer's two OpenMP threads want both cores, a
+planning thread of normal priority made each step's compute 20-30% slower
+(and its torch ops, on an OpenMP team of their own, far more). So the thread
+runs its torch ops on one intra-op thread and, on Linux, under
+``SCHED_IDLE``: it gets a core only when the trainer leaves one idle (its
+single-threaded Python, waits), and when it falls behind, the trainer's wait
+for the next plan leaves a core idle for it.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class LookaheadStage:
         known_features: every feature some embedding module of the model looks up.
         device: where batches go.
         depth: batches planned ahead of what the trainer has taken.
-        threaded: plan on a background thread (default: when a core is spare,
-            more cores than ``torch.get_num_threads()``), else inline in ``get``.
+        threaded: plan on a background thread of idle priority (default), else
+            inline in ``get``, on the trainer's thread.
     """
 
     def __init__(
@@ -67,10 +69,8 @@ class LookaheadStage:
         known_features: set[str],
         device: torch.device,
         depth: int = 4,
-        threaded: bool | None = None,
+        threaded: bool = True,
     ) -> None:
-        if threaded is None:
-            threaded = (os.cpu_count() or 1) > torch.get_num_threads()
         self.threaded = threaded
         self._modules = list(modules)
         self._known = known_features
@@ -117,6 +117,9 @@ class LookaheadStage:
     # ------------------------------------------------------------ the thread
 
     def _run(self) -> None:
+        torch.set_num_threads(1)  # no OpenMP team beside the trainer's (see the executor)
+        if hasattr(os, "SCHED_IDLE"):  # Linux: run on the cycles the trainer leaves idle
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         while not self._stop.is_set():
             item = self._next_item()
             last = item.end or (item.error is not None and not isinstance(item.error, ValueError))
