@@ -188,7 +188,11 @@ def loader(
 def rank_slices(batches: Iterable[Batch], rank: int, world_size: int) -> Iterator[Batch]:
     """This rank's share of each global batch: samples ``[rank * B, (rank + 1) * B)`` of
     it, ``B`` = global batch / ``world_size``. So a global step holds the same samples at
-    any world size (the same data order, and a run can continue at another size)."""
+    any world size (the same data order, and a run can continue at another size).
+    At world size 1 the global batch is the rank's, passed on as it is."""
+    if world_size == 1:
+        yield from batches
+        return
     for batch in batches:
         samples = batch.labels.numel()
         if samples % world_size:
