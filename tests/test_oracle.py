@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -260,3 +262,18 @@ def test_prepare_checks_without_changing_anything() -> None:
     clean = list(OracleCacher(4, 1, 1, 10).plan(batches))
     assert [p.fetch_ids.tolist() for p in plans] == [p.fetch_ids.tolist() for p in clean]
     assert [p.slots.tolist() for p in plans] == [p.slots.tolist() for p in clean]
+
+
+def test_load_kernels_loads_every_planning_kernel_before_the_first_batch() -> None:
+    """In a fresh process: nothing is loaded at import, all three passes after."""
+    script = (
+        "from torchrec_lookahead import oracle_kernels as k\n"
+        "from torchrec_lookahead.oracle import load_kernels\n"
+        "passes = (k.prepare_batch, k.enter_batch, k.emit_step)\n"
+        "print([len(p.signatures) for p in passes])\n"
+        "load_kernels()\n"
+        "print([len(p.signatures) for p in passes])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout.split("\n")  # fmt: skip
+    assert out[:2] == ["[0, 0, 0]", "[1, 1, 1]"]
