@@ -15,9 +15,9 @@ weights (checked). Two set-ups:
 Both give every table --cache-load-factor of its rows (raised at the first
 batch where the window needs more). The lookahead step time splits into
 waiting for the lookahead stage (planning on the trainer's critical path),
-waiting for the executor, and forward / backward / optimizer; the stage
-thread's own time (input distribution under DMP, planning) runs beside the
-steps and is reported per step too. Writes ``report.json`` and
+waiting for the executor, and forward / backward / optimizer; the stage's
+own CPU time (input distribution under DMP, planning), spent beside the
+steps on its thread, is reported per step too. Writes ``report.json`` and
 ``step_time.png`` into --out.
 """
 
@@ -357,9 +357,8 @@ def main() -> None:
     cells = [look["step_ms"]] + [look[k] for k, _ in PARTS]
     print("{:>15} {:>8.2f} {:>10.3f} {:>13.2f} {:>11.2f} {:>6.2f}".format(
         "lookahead", *cells))  # fmt: skip
-    print(f"beside the steps (stage thread), per step: input dist "
-          f"{look['background_input_dist_ms']:.2f} ms, planning "
-          f"{look['background_plan_ms']:.2f} ms")  # fmt: skip
+    print(f"the stage's CPU time per step: input dist {look['background_input_dist_ms']:.2f} ms, "
+          f"planning {look['background_plan_ms']:.2f} ms")  # fmt: skip
     print(f"ratio {report['ratio']:.2f}x (median of {args.repeats}: "
           f"{', '.join(f'{r:.2f}' for r in report['ratios'])}), hit rate {look['hit_rate']:.3f}, "
           f"{look['rows_fetched_per_step']:.0f} rows fetched and "

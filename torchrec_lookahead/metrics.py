@@ -15,8 +15,8 @@ class CacheMetrics:
     id is a hit when its row was resident at its step's issue point, else a
     miss, fetched ahead of the step. ``wait_s`` is time the trainer spent
     waiting for plans to land; ``stage_s`` time it spent waiting for the
-    lookahead stage (planning on the critical path); ``plan_s`` time the
-    stage's thread spent planning, beside the steps.
+    lookahead stage (planning on the critical path); ``plan_s`` CPU time the
+    stage spent planning (beside the steps on its thread).
     """
 
     steps: int = 0

@@ -249,7 +249,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._stage_pg: dist.ProcessGroup | None = None
         self._stage_input_dists: list[torch.nn.Module] = []
         super().__init__(module=module, **kwargs)
-        self.input_dist_s = 0.0  # time spent distributing batches entering the window
+        self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
         self._window_inputs: deque[tuple[Any, Any]] = deque()  # (ctx, distributed input)
         self._running_input: tuple[Any, Any] | None = None
         self._entered = 0  # batches that entered the window since attach
@@ -334,14 +334,14 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         the batch together and their collectives stay in step.
         """
         self._agree(self._check_ids(features))  # before the collective
-        start = time.perf_counter()
+        start = time.thread_time()
         ctx = self.create_context()
         self._on_stage.active = True
         try:
             distributed = self.input_dist(ctx, features).wait().wait()
         finally:
             self._on_stage.active = False
-        self.input_dist_s += time.perf_counter() - start
+        self.input_dist_s += time.thread_time() - start
         prepared, error = [], None
         try:
             for lookup, kjt in zip(self._lookups, distributed):

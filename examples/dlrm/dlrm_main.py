@@ -600,7 +600,7 @@ def cells(run: Run, embedding_dim: int) -> dict[str, str]:
         "rows fetched / step": f"{cache['rows_fetched_per_step']:,.0f}" if cache else "-",
         "rows written back / step": f"{cache['rows_written_back_per_step']:,.0f}" if cache else "-",
         "executor wait ms / step": f"{cache['executor_wait_ms_per_step']:.2f}" if cache else "-",
-        "planning ms / step": f"{cache['planning_ms_per_step']:.2f}" if cache else "-",
+        "planning CPU ms / step": f"{cache['planning_ms_per_step']:.2f}" if cache else "-",
         "plan wait ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
         "private memory MB": f"{run.private_mb:,.0f}",
         **dedup_cells(run, embedding_dim),
