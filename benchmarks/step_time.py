@@ -215,6 +215,7 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
     report = summarise(args, base_times, times, parts, pipeline, same, rank_cache_rows,
                        sum(data.num_embeddings))  # fmt: skip
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()  # no rank shuts down while another's collectives are in flight
     dist.destroy_process_group()
 
 
