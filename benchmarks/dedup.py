@@ -3,10 +3,18 @@
 Runs the DLRM example (``examples/dlrm/dlrm_main.py``) on synthetic data whose
 sessions of k samples share the user-side features (13 of 26 sparse, 6 of 13
 dense), once plain and once with ``--dedup``, alternating in blocks (this
-machine drifts), and reports the median samples/s of each, the ids looked up
-and planned per step and rank before and after deduplication, and the sparse
-bytes per step and rank the all-to-alls carry (ids and lengths at 8 bytes,
-pooled rows at 4 bytes a float; computed from the batches' shapes).
+machine drifts), and reports the median samples/s of each after the first
+step (the window's fill and warm-up; the whole run's speedup is in the JSON
+too), the ids looked up and planned per step and rank before and after
+deduplication, and the sparse bytes per step and rank the all-to-alls carry
+(ids and lengths at 8 bytes, pooled rows at 4 bytes a float; computed from
+the batches' shapes).
+
+It also measures the ceiling: the same DLRM's dense part alone (dense arch,
+interaction, over arch, loss, backward and SGD step over the whole batch, the
+embeddings a fixed input), which deduplicating the sparse features cannot
+shrink. A plain step (mean after the first) over that floor bounds the
+speedup ``--dedup`` can give on this machine, whatever the sparse side costs.
 
 Writes ``report.json`` and ``dedup.png`` into --out and prints the table.
 """
@@ -15,16 +23,71 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
+import torch
 from common import machine, run_example
 from tqdm import tqdm
 
 
 def sparse_bytes(ids: int, bags: int, dim: int) -> int:
     return ids * 8 + bags * (8 + 4 * dim)
+
+
+def dense_floor_ms(args: argparse.Namespace, steps: int = 60, warmup: int = 10) -> float:
+    """Median ms of a training step of the example's DLRM without its sparse side: the
+    sparse arch's output is a fixed leaf (its gradient still computed), the rest runs
+    over a whole batch of --batch-size with the example's threads per rank."""
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    dim, batch, features = args.embedding_dim, args.batch_size, 26
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=1,
+                                 feature_names=[f"f{i}"]) for i in range(features)]  # fmt: skip
+    collection = EmbeddingBagCollection(tables, device=torch.device("meta"))
+    model = DLRM(embedding_bag_collection=collection, dense_in_features=13,
+                 dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 32, 1])  # fmt: skip
+    model.sparse_arch = _Fixed(torch.randn(batch, features, dim))
+    optimizer = torch.optim.SGD([*model.parameters()], lr=0.1)
+    dense, labels = torch.randn(batch, 13), torch.randint(0, 2, (batch,)).float()
+    times = []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        logits = model(dense, None).squeeze(-1)
+        torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[warmup:])
+
+
+class _Fixed(torch.nn.Module):
+    """Stands in for DLRM's sparse arch: the same embeddings (a trained leaf) for any input."""
+
+    def __init__(self, embedded: torch.Tensor) -> None:
+        super().__init__()
+        self.embedded = torch.nn.Parameter(embedded)
+
+    def forward(self, _features: object) -> torch.Tensor:
+        return self.embedded
+
+
+SHARED_FEATURES, SPARSE_FEATURES = 13, 26  # the example's sessions share 13 of 26 features
+
+
+def bags_bound(plain_step_ms: float, floor_ms: float, session_size: int) -> float:
+    """The most deduplication can speed a step up if the sparse side's cost (a plain step
+    over the dense floor) scales with the bags looked up: sessions of ``session_size``
+    keep ``1 / session_size`` of the shared features' bags and all of the others'.
+    Per-feature costs that do not shrink with the bags make the real gain smaller."""
+    kept = 1 - SHARED_FEATURES / SPARSE_FEATURES * (1 - 1 / session_size)
+    return plain_step_ms / (floor_ms + (plain_step_ms - floor_ms) * kept)
 
 
 def measure(args: argparse.Namespace, work: Path) -> list[dict]:
@@ -34,7 +97,10 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict]:
             "--limit_train_batches", str(args.steps), "--limit_val_batches", "1",
             "--limit_test_batches", "1", "--data_cache", str(args.data_cache),
             "--synthetic_samples_per_day", str(args.samples_per_day)]  # fmt: skip
-    samples = {(k, mode): [] for k in args.sessions for mode in ("plain", "dedup")}
+    # samples/s per run: over every step, and after the first (the window's fill and the
+    # process's warm-up, one-time costs that weigh heavily in a short run)
+    whole = {(k, mode): [] for k in args.sessions for mode in ("plain", "dedup")}
+    steady = {(k, mode): [] for k in args.sessions for mode in ("plain", "dedup")}
     counts = {}
     runs = [(r, k, mode) for r in range(args.repeats) for k in args.sessions
             for mode in ("plain", "dedup")]  # fmt: skip
@@ -42,22 +108,32 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict]:
         flags = [*base, "--session_size", str(k)] + (["--dedup"] if mode == "dedup" else [])
         _, summary = run_example(work, args.world_size, flags)
         run = summary["runs"][0]
-        samples[k, mode].append(run["samples"] / run["seconds"])
+        per_step = run["samples"] / len(run["step_s"])
+        whole[k, mode].append(run["samples"] / run["seconds"])
+        steady[k, mode].append(per_step * (len(run["step_s"]) - 1) / sum(run["step_s"][1:]))
         if mode == "dedup":
             counts[k] = (run["dedup"], len(run["step_s"]))
+    floor = dense_floor_ms(args)
     rows = []
     for k in args.sessions:
         dedup, steps = counts[k]
         before = sparse_bytes(dedup["ids_before"], dedup["bags_before"], args.embedding_dim)
         after = sparse_bytes(dedup["ids_after"], dedup["bags_after"], args.embedding_dim)
-        plain, deduped = (statistics.median(samples[k, m]) for m in ("plain", "dedup"))
+        plain, deduped = (statistics.median(steady[k, m]) for m in ("plain", "dedup"))
+        plain_step_ms = 1000 * args.batch_size * args.world_size / plain
         rows.append({
             "session_size": k,
             "plain_samples_per_s": plain,
             "dedup_samples_per_s": deduped,
             "speedup": deduped / plain,
-            "plain_all": samples[k, "plain"],
-            "dedup_all": samples[k, "dedup"],
+            "plain_step_ms": plain_step_ms,
+            "dense_floor_ms": floor,
+            "speedup_bound": plain_step_ms / floor,
+            "speedup_bound_by_bags": bags_bound(plain_step_ms, floor, k),
+            "plain_all": steady[k, "plain"],
+            "dedup_all": steady[k, "dedup"],
+            "whole_run_speedup": statistics.median(whole[k, "dedup"])
+            / statistics.median(whole[k, "plain"]),
             "ids_per_step_plain": dedup["ids_before"] / steps,
             "ids_per_step_dedup": dedup["ids_after"] / steps,
             "sparse_mb_per_step_plain": before / steps / 2**20,
@@ -110,15 +186,24 @@ def main() -> None:
     plot(rows, args.out / "dedup.png")
     print(f"\nDeduplicated batches, world size {args.world_size}, batch {args.batch_size} per "
           f"rank, embedding dim {args.embedding_dim}, {args.steps} steps (medians over "
-          f"{args.repeats} runs; ids and sparse MB per step and rank)")  # fmt: skip
-    print("{:>4} {:>12} {:>12} {:>8} {:>10} {:>10} {:>10} {:>10}".format(
+          f"{args.repeats} runs, after the first step; ids and sparse MB per step and "
+          "rank)")  # fmt: skip
+    print("{:>4} {:>12} {:>12} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>6} {:>6}".format(
         "k", "plain s/s", "dedup s/s", "speedup", "ids plain", "ids dedup", "MB plain",
-        "MB dedup"))  # fmt: skip
+        "MB dedup", "step ms", "bound", "bags"))  # fmt: skip
     for r in rows:
-        print("{:>4} {:>12,.0f} {:>12,.0f} {:>8.2f} {:>10,.0f} {:>10,.0f} {:>10.2f} {:>10.2f}"
+        print("{:>4} {:>12,.0f} {:>12,.0f} {:>8.2f} {:>10,.0f} {:>10,.0f} {:>10.2f} {:>10.2f} "
+              "{:>8.2f} {:>6.2f} {:>6.2f}"
               .format(r["session_size"], r["plain_samples_per_s"], r["dedup_samples_per_s"],
                       r["speedup"], r["ids_per_step_plain"], r["ids_per_step_dedup"],
-                      r["sparse_mb_per_step_plain"], r["sparse_mb_per_step_dedup"]))  # fmt: skip
+                      r["sparse_mb_per_step_plain"], r["sparse_mb_per_step_dedup"],
+                      r["plain_step_ms"], r["speedup_bound"],
+                      r["speedup_bound_by_bags"]))  # fmt: skip
+    print(f"dense floor (the step without its sparse side, whole batch): "
+          f"{rows[0]['dense_floor_ms']:.2f} ms; bound = plain step ms / floor, the most any "
+          "deduplication can speed a step up on this machine; bags = the same if the sparse "
+          "side's cost scales with the bags looked up (the shared features' shrink k-fold, "
+          "the others' not)")  # fmt: skip
     print(f"\nwrote {args.out / 'report.json'} and {args.out / 'dedup.png'}")
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -93,4 +95,11 @@ def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -
     assert one["ids_per_step_dedup"] == one["ids_per_step_plain"]  # nothing shared: plain
     assert eight["ids_per_step_dedup"] < 0.6 * eight["ids_per_step_plain"]
     assert all(r["plain_samples_per_s"] > 0 and r["dedup_samples_per_s"] > 0 for r in (one, eight))
+    # The ceiling: a plain step over the dense part alone, which dedup cannot shrink.
+    assert all(
+        r["dense_floor_ms"] > 0
+        and r["speedup_bound"] == pytest.approx(r["plain_step_ms"] / r["dense_floor_ms"])
+        for r in (one, eight)
+    )
+    assert "dense floor" in out
     assert (tmp_path / "dedup.png").stat().st_size > 0
