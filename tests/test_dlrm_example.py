@@ -43,6 +43,16 @@ def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
     assert look["auroc"] == base["auroc"] and 0 < look["auroc"]["val"] < 1
     assert 0 < look["cache"]["hit_rate"] < 1 and len(look["hit_rate"]) == 30
     assert "final weights match" in done.stdout and (tmp_path / "out" / "training.png").exists()
+    # Steady samples/s leaves out the first step (the window's fill, warm-up).
+    for column in (look, base):
+        steps = column["step_s"]
+        steady = column["samples"] * (len(steps) - 1) / len(steps) / sum(steps[1:])
+        assert f"{steady:,.0f}" in _summary_row(done.stdout, "samples/s after step 1")
+        assert f"{1000 * steps[0]:,.0f}" in _summary_row(done.stdout, "first step ms")
+
+
+def _summary_row(stdout: str, label: str) -> str:
+    return next(line for line in stdout.splitlines() if line.strip().startswith(label))
 
 
 def test_deduplicated_sessions_match_plain_torchrec_and_report_savings(tmp_path: Path) -> None:

@@ -404,6 +404,16 @@ class Run:
     private_mb: float = 0.0  # the most anonymous RSS seen (sampled every 20 steps), rank 0
     dedup: DedupCounts = field(default_factory=DedupCounts)  # --dedup: what it saved, rank 0
 
+    @property
+    def steady_samples_per_s(self) -> float:
+        """Samples/s after the first step, which holds one-time costs: the lookahead
+        window's fill (L + d batches read and planned, the cache built) and whatever the
+        process warms up first (the data reader's load: the first run of the process
+        pays it)."""
+        later = self.seconds - (self.step_s[0] if self.step_s else 0.0)
+        per_step = self.samples / len(self.step_s) if self.step_s else 0
+        return per_step * (len(self.step_s) - 1) / later if later > 0 else 0.0
+
 
 def train_batches(args, days, rank: int, world_size: int, counts: DedupCounts, shuffle: bool):
     """This rank's share of each global batch (--batch_size per rank) over --epochs,
@@ -594,6 +604,8 @@ def cells(run: Run, embedding_dim: int) -> dict[str, str]:
     cache = run.cache
     return {
         "samples/s": f"{run.samples / run.seconds:,.0f}" if run.seconds else "-",
+        "samples/s after step 1": f"{run.steady_samples_per_s:,.0f}" if run.seconds else "-",
+        "first step ms": f"{1000 * run.step_s[0]:,.0f}" if run.step_s else "-",
         "val AUROC": f"{run.auroc['val']:.4f}",
         "test AUROC": f"{run.auroc['test']:.4f}",
         "cache hit rate": f"{cache['hit_rate']:.3f}" if cache else "all resident",
