@@ -15,6 +15,9 @@ interaction, over arch, loss, backward and SGD step over the whole batch, the
 embeddings a fixed input), which deduplicating the sparse features cannot
 shrink. A plain step (mean after the first) over that floor bounds the
 speedup ``--dedup`` can give on this machine, whatever the sparse side costs.
+And it times the expansion of a deduplicated output to the batch (forward and
+backward): FBGEMM's per-feature op that TorchRec uses against the one gather
+the lookahead collections use.
 
 Writes ``report.json`` and ``dedup.png`` into --out and prints the table.
 """
@@ -32,6 +35,8 @@ from pathlib import Path
 import torch
 from common import machine, run_example
 from tqdm import tqdm
+
+from torchrec_lookahead.variable_batch import gather_bags
 
 
 def sparse_bytes(ids: int, bags: int, dim: int) -> int:
@@ -79,6 +84,36 @@ class _Fixed(torch.nn.Module):
 
 
 SHARED_FEATURES, SPARSE_FEATURES = 13, 26  # the example's sessions share 13 of 26 features
+
+
+def expansion_ms(args: argparse.Namespace, session_size: int, repeats: int = 30) -> dict:
+    """Median ms of expanding a deduplicated batch's pooled output to the batch, forward
+    and backward: FBGEMM's ``batch_index_select_dim0`` (TorchRec's sharded path) against
+    :func:`~torchrec_lookahead.variable_batch.gather_bags` (what the lookahead collections
+    use), at the example's shape: sessions of ``session_size`` share 13 of 26 features."""
+    batch, dim = args.batch_size, args.embedding_dim
+    shared, own = torch.arange(batch) // session_size, torch.arange(batch)
+    others = SPARSE_FEATURES - SHARED_FEATURES
+    bags = [int(shared[-1]) + 1] * SHARED_FEATURES + [batch] * others
+    inverse = torch.stack([shared] * SHARED_FEATURES + [own] * others)
+    expand = {
+        "fbgemm": lambda x: torch.ops.fbgemm.batch_index_select_dim0(
+            inputs=x, indices=inverse.reshape(-1), input_num_indices=[batch] * len(bags),
+            input_rows=bags, input_columns=[dim] * len(bags), permute_output_dim_0_1=True,
+        ),
+        "gather": lambda x: gather_bags(x, inverse, bags, dim),
+    }  # fmt: skip
+    pooled = torch.randn(sum(bags) * dim, requires_grad=True)
+    gradient = torch.randn(batch * len(bags) * dim)
+    times = {}
+    for name, fn in expand.items():
+        runs = []
+        for _ in range(repeats + 3):
+            start = time.perf_counter()
+            fn(pooled).reshape(-1).backward(gradient)
+            runs.append(time.perf_counter() - start)
+        times[name] = 1000 * statistics.median(runs[3:])
+    return times
 
 
 def bags_bound(plain_step_ms: float, floor_ms: float, session_size: int) -> float:
@@ -130,6 +165,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict]:
             "dense_floor_ms": floor,
             "speedup_bound": plain_step_ms / floor,
             "speedup_bound_by_bags": bags_bound(plain_step_ms, floor, k),
+            "expand_ms": expansion_ms(args, k),
             "plain_all": steady[k, "plain"],
             "dedup_all": steady[k, "dedup"],
             "whole_run_speedup": statistics.median(whole[k, "dedup"])
@@ -199,6 +235,10 @@ def main() -> None:
                       r["sparse_mb_per_step_plain"], r["sparse_mb_per_step_dedup"],
                       r["plain_step_ms"], r["speedup_bound"],
                       r["speedup_bound_by_bags"]))  # fmt: skip
+    print("expanding the pooled output (forward and backward), FBGEMM's "
+          "batch_index_select_dim0 -> one gather: "
+          + ", ".join(f"k={r['session_size']} {r['expand_ms']['fbgemm']:.2f} -> "
+                      f"{r['expand_ms']['gather']:.2f} ms" for r in rows))  # fmt: skip
     print(f"dense floor (the step without its sparse side, whole batch): "
           f"{rows[0]['dense_floor_ms']:.2f} ms; bound = plain step ms / floor, the most any "
           "deduplication can speed a step up on this machine; bags = the same if the sparse "

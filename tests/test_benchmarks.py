@@ -101,5 +101,6 @@ def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -
         and r["speedup_bound"] == pytest.approx(r["plain_step_ms"] / r["dense_floor_ms"])
         for r in (one, eight)
     )
-    assert "dense floor" in out
+    assert "dense floor" in out and "one gather" in out
+    assert all(r["expand_ms"]["fbgemm"] > 0 and r["expand_ms"]["gather"] > 0 for r in (one, eight))
     assert (tmp_path / "dedup.png").stat().st_size > 0

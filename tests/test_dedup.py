@@ -26,15 +26,50 @@ from models import (
     train_reference,
 )
 from torchrec.datasets.utils import Batch
+from torchrec.modules.embedding_modules import process_pooled_embeddings
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.data.dedup import DedupCounts, deduplicate
-from torchrec_lookahead.variable_batch import check_variable_batch_optimizer
+from torchrec_lookahead.variable_batch import check_variable_batch_optimizer, gather_bags
 
 STEPS = 60
 SESSION = 4
 DEDUPED = session_batches(STEPS, SESSION, dedup=True)
 PLAIN = session_batches(STEPS, SESSION, dedup=False)
+
+
+def test_gather_bags_expands_bitwise_as_fbgemm_does() -> None:
+    """One gather stands in for FBGEMM's per-feature selects (TorchRec's sharded and
+    unsharded expansions): the same output, and the same gradient sums over every
+    bag's duplicates, in any order of the inverse indices."""
+    torch.manual_seed(0)
+    batch, dim = 96, 8
+    bags = [batch, 5, 1, 17, batch, 3]  # features kept whole and deduplicated ones
+    inverse = torch.stack([torch.randperm(batch) if n == batch else torch.randint(0, n, (batch,))
+                           for n in bags])  # fmt: skip
+    gradient = torch.randn(batch, len(bags) * dim)
+    flat = torch.randn(sum(bags) * dim, requires_grad=True)
+    expanded = {
+        "gather_bags": lambda x: gather_bags(x, inverse, bags, dim),
+        "batch_index_select_dim0": lambda x: torch.ops.fbgemm.batch_index_select_dim0(
+            inputs=x, indices=inverse.reshape(-1), input_num_indices=[batch] * len(bags),
+            input_rows=bags, input_columns=[dim] * len(bags), permute_output_dim_0_1=True,
+        ).view(batch, -1),
+        "group_index_select_dim0": lambda x: process_pooled_embeddings(
+            [block.view(n, dim) for block, n in zip(x.split([n * dim for n in bags]), bags)],
+            inverse,
+        ),
+    }  # fmt: skip
+    results = {}
+    for name, expand in expanded.items():
+        flat.grad = None
+        output = expand(flat)
+        output.backward(gradient)
+        results[name] = (output.detach(), flat.grad.clone())
+    ours = results.pop("gather_bags")
+    for name, (output, grad) in results.items():
+        assert torch.equal(ours[0], output), name
+        assert torch.equal(ours[1], grad), name
 
 
 def test_deduplicate_keeps_each_shared_bag_once_and_expands_back() -> None:

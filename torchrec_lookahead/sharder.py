@@ -35,6 +35,8 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel, Grouped
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
+    VariableBatchEmbeddingBagCollectionAwaitable,
+    construct_output_kt,
 )
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
@@ -49,7 +51,7 @@ from torchrec_lookahead.ids import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.store import HostStore, MmapStore
-from torchrec_lookahead.variable_batch import check_variable_batch, tbe_batch_sizes
+from torchrec_lookahead.variable_batch import check_variable_batch, gather_bags, tbe_batch_sizes
 
 __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
@@ -408,7 +410,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return super().forward(*args, **kwargs)  # eval: kernels read the store
         ctx, distributed = self._running_input
         self._running_input = None
-        return self.compute_and_output_dist(ctx, distributed)
+        output = self.compute_and_output_dist(ctx, distributed)
+        if type(output) is VariableBatchEmbeddingBagCollectionAwaitable:
+            output.__class__ = _GatheredVariableBatchAwaitable  # same state, faster expansion
+        return output
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.write_back()
@@ -425,6 +430,28 @@ def _merge(planned: list[tuple[int, StepMoves] | None]) -> tuple[int, StepMoves]
     if not planned:
         return None
     return planned[0][0], [move for _, moves in planned for move in moves]
+
+
+class _GatheredVariableBatchAwaitable(VariableBatchEmbeddingBagCollectionAwaitable):
+    """TorchRec's deduplicated output, expanded to the batch by one gather
+    (:func:`~torchrec_lookahead.variable_batch.gather_bags`) where every feature has
+    the same width; otherwise as TorchRec expands it."""
+
+    def _wait_impl(self) -> Any:
+        dims = self._uncombined_embedding_dims
+        if len(set(dims)) != 1:
+            return super()._wait_impl()
+        embeddings = [awaitable.wait() for awaitable in self._awaitables]
+        _, inverse = self._inverse_indices
+        if self._inverse_indices_permute_indices is not None:
+            inverse = inverse.index_select(0, self._inverse_indices_permute_indices)
+        pooled = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings)
+        expanded = gather_bags(pooled, inverse, self._batch_size_per_feature_pre_a2a, dims[0])
+        for awaitable in self._resize_awaitables or []:
+            awaitable.wait()
+        return construct_output_kt(embeddings=[self._permute_op(expanded)],
+                                   embedding_names=self._embedding_names,
+                                   embedding_dims=self._embedding_dims)  # fmt: skip
 
 
 class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
