@@ -434,12 +434,13 @@ def _merge(planned: list[tuple[int, StepMoves] | None]) -> tuple[int, StepMoves]
 
 class _GatheredVariableBatchAwaitable(VariableBatchEmbeddingBagCollectionAwaitable):
     """TorchRec's deduplicated output, expanded to the batch by one gather
-    (:func:`~torchrec_lookahead.variable_batch.gather_bags`) where every feature has
-    the same width; otherwise as TorchRec expands it."""
+    (:func:`~torchrec_lookahead.variable_batch.gather_bags`) on the CPU where every
+    feature has the same width; otherwise as TorchRec expands it (on CUDA FBGEMM's
+    kernel, whose summation order the gather's backward is not checked against)."""
 
     def _wait_impl(self) -> Any:
         dims = self._uncombined_embedding_dims
-        if len(set(dims)) != 1:
+        if len(set(dims)) != 1 or self._inverse_indices[1].device.type != "cpu":
             return super()._wait_impl()
         embeddings = [awaitable.wait() for awaitable in self._awaitables]
         _, inverse = self._inverse_indices

@@ -11,7 +11,7 @@ collections expand that output to the batch exactly as
 sums the duplicates' gradients the same way); under DMP TorchRec's own
 sharded collection does it after the output all-to-all.
 
-Where every feature has the same width, both expand with :func:`gather_bags`
+On the CPU, where every feature has the same width, both expand with :func:`gather_bags`
 instead of FBGEMM's per-feature select ops: one ``index_select`` whose
 backward sums each bag's duplicates in sample order, as FBGEMM's CPU ops do
 (bitwise the same, tested), in a third of the time or less on the CPU
@@ -174,7 +174,7 @@ def expand_pooled(
         return pooled
     strides = features.stride_per_key()
     inverse = reorder_inverse_indices(features.inverse_indices_or_none(), features.keys())
-    if len(set(dims)) == 1:
+    if len(set(dims)) == 1 and pooled.device.type == "cpu":  # CUDA: FBGEMM's kernel
         return gather_bags(pooled, inverse, strides, dims[0])
     blocks = pooled.split([s * d for s, d in zip(strides, dims)])
     per_feature = [block.view(s, d) for block, s, d in zip(blocks, strides, dims)]
