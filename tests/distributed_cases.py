@@ -370,6 +370,41 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
     assert_equal_states(look.state_dict(), fresh.state_dict(), "checkpoint round trip")
 
 
+def check_malformed_batches(rank: int, world_size: int) -> None:
+    """Every kind of malformed batch, each on one rank only (the first batch among them, for
+    the cache sizing): refused on every rank together, training equal to plain TorchRec."""
+    from malformed import MALFORMED, malformed
+
+    case = Case("table_wise", "rowwise_adagrad", 8, steps=30, cache_load_factor=0.05)
+    batches, (base, base_opt, _) = rank_data_and_baseline(case, rank, world_size)
+    extra = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=400 + rank)
+    stream = list(batches)
+    kinds = sorted(MALFORMED)
+    for i, kind in reversed(list(enumerate(kinds))):  # at steps 0, 2, 4, ... of the good ones
+        spare = criteo_batch(extra, i, BATCH)
+        stream.insert(2 * i, malformed(kind, spare) if i % world_size == rank else spare)
+    ebc = LookaheadEmbeddingBagCollection(tables=tables(), device=torch.device("meta"),
+                                          cache_load_factor=case.cache_load_factor)  # fmt: skip
+    look, look_opt, _ = build(ebc, [LookaheadEmbeddingBagCollectionSharder()], case, world_size)
+    look.load_state_dict(base.state_dict())
+    expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
+    refused: list[str] = []
+    got = train(LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8),
+                stream, refused)  # fmt: skip
+    assert len(refused) == len(kinds), refused
+    for i, (kind, message) in enumerate(zip(kinds, refused)):
+        phrase = MALFORMED[kind][1] if i % world_size == rank else "another rank refused"
+        assert phrase in message, (kind, message)
+    assert len(got) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    assert_equal_states(base.state_dict(), look.state_dict(), "weights")
+    assert_equal_states(base_opt.state_dict()["state"], look_opt.state_dict()["state"], "optim")
+
+
+def malformed_worker(rank: int, world_size: int, port: int) -> None:
+    _in_process_group(rank, world_size, port, lambda: check_malformed_batches(rank, world_size))
+
+
 def integration_worker(rank: int, world_size: int, port: int, checkpoint_dir: str) -> None:
     _in_process_group(rank, world_size, port,
                       lambda: check_integration(rank, world_size, checkpoint_dir))  # fmt: skip

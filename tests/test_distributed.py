@@ -6,7 +6,14 @@ import socket
 
 import pytest
 import torch.multiprocessing as mp
-from distributed_cases import OPTIMIZERS, Case, integration_worker, planned_worker, worker
+from distributed_cases import (
+    OPTIMIZERS,
+    Case,
+    integration_worker,
+    malformed_worker,
+    planned_worker,
+    worker,
+)
 
 
 def free_port() -> int:
@@ -47,6 +54,10 @@ def test_deduplicated_batches_match_plain_torchrec(world_size: int) -> None:
 
 def test_mixed_modules_bad_batch_on_one_rank_eval_and_checkpoint(tmp_path) -> None:
     mp.spawn(integration_worker, args=(2, free_port(), str(tmp_path / "ckpt")), nprocs=2)
+
+
+def test_malformed_batches_on_one_rank_are_refused_on_every_rank() -> None:
+    mp.spawn(malformed_worker, args=(2, free_port()), nprocs=2)
 
 
 def test_canonical_use_with_the_lookahead_planner_matches_plain_torchrec() -> None:

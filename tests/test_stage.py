@@ -43,9 +43,9 @@ def test_batches_are_planned_on_the_stage_thread_or_inline(live_threads, threade
     planned_on = set()
     prepare = model.unweighted.prepare
 
-    def spy(features):
+    def spy(features, refusal=None):
         planned_on.add(threading.current_thread().name)
-        return prepare(features)
+        return prepare(features, refusal)
 
     model.unweighted.prepare = spy
     pipeline, it = pipeline_for(model, threaded=threaded), iter(DATA)
@@ -141,10 +141,10 @@ def test_the_stage_thread_yields_the_cores_to_the_trainer(live_threads, monkeypa
 
     monkeypatch.setattr(CacheTable, "apply", spy_apply)
 
-    def spy(features):
+    def spy(features, refusal=None):
         seen.add((threading.current_thread().name, os.sched_getscheduler(0),
                   torch.get_num_threads()))  # fmt: skip
-        return prepare(features)
+        return prepare(features, refusal)
 
     model.unweighted.prepare = spy
     trainer = (os.sched_getscheduler(0), torch.get_num_threads())

@@ -26,7 +26,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.cache import CacheTable
-from torchrec_lookahead.ids import check_feature_ids
+from torchrec_lookahead.checks import check_count, check_feature_ids, check_fraction
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import CachePlan, CachePlanner, OracleCacher
 from torchrec_lookahead.partitioned import PartitionedOracle
@@ -56,6 +56,12 @@ class CacheSizing:
     cache_load_factor: float = 0.1
     cache_rows: Mapping[str, int] = field(default_factory=dict)
     min_rows: int = 1
+
+    def __post_init__(self) -> None:  # the settings' names as the module takes them
+        check_fraction("cache_load_factor", self.cache_load_factor)
+        for name, rows in self.cache_rows.items():
+            check_count(f"cache_rows[{name!r}]", rows, 1)
+        check_count("min_cache_rows", self.min_rows, 1)
 
     def rows(
         self, name: str, num_embeddings: int, local_rows: int, plan_load_factor: float | None = None
@@ -87,6 +93,9 @@ class PreparedStep:
     lookups: np.ndarray  # ids per table
     batches: list[Any]  # per pool: what its planner's prepare returned
     positions: list[slice | np.ndarray] | None  # per pool, where its ids sit (None: 1 pool)
+    # A window's first batch: the slots per table sized for it and the pools' planners,
+    # installed when the batch enters (a refused batch leaves the sizing as it was).
+    sizing: tuple[list[int], list[CachePlanner]] | None = None
 
 
 class CachedTables:
@@ -123,8 +132,8 @@ class CachedTables:
         self.table_slots = list(table_slots)
         self._optimizer = optimizer
         self._shares = list(table_slots)  # before any raise to what the window needs
-        self.cache = CacheTable(self.pools, self._pool_slots(), feature_tables, optimizer,
-                                store, device, pooling, fbgemm_params)  # fmt: skip
+        self.cache = CacheTable(self.pools, self._pool_slots(table_slots), feature_tables,
+                                optimizer, store, device, pooling, fbgemm_params)  # fmt: skip
         tables = np.asarray(feature_tables, dtype=np.int64)
         pool_of_table = np.empty(len(names), dtype=np.int64)
         offset_of_table = np.empty(len(names), dtype=np.int64)
@@ -185,11 +194,12 @@ class CachedTables:
         self.step_counts.clear()
 
     def prepare(self, features: KeyedJaggedTensor) -> PreparedStep:
-        """Check a batch for every table (ids, capacity) without changing the plans.
+        """Check a batch for every table (ids, capacity) without changing anything.
 
-        At a window's first batch the pools are sized: a table whose share is
-        smaller than the rows ``d + 1`` such batches can touch brings that many
-        instead (at most all its rows), logged once per table.
+        At a window's first batch the pools are sized for it: a table whose
+        share is smaller than the rows ``d + 1`` such batches can touch brings
+        that many instead (at most all its rows). The sizing and the pools'
+        planners travel with the prepared step and take effect at ``enter``.
         """
         step = self._entered
         if self.cache.device.type != "cpu":  # the CPU pools variable batches padded, any optimizer
@@ -206,16 +216,22 @@ class CachedTables:
             per_pool = [ids[where] for where in positions]
         lookups = np.bincount(self._feature_table, weights=lengths, minlength=len(self.names))
         lookups = lookups.astype(np.int64)
-        if self._oracles is None:
-            self._size_for(lookups)
-        batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(self._oracles, per_pool)]
-        return PreparedStep(step, lookups, batches, positions)
+        oracles, sizing = self._oracles, None
+        if oracles is None:
+            table_slots = self._sized_for(lookups)
+            oracles = [self._planner(slots, p)
+                       for p, slots in enumerate(self._pool_slots(table_slots))]  # fmt: skip
+            sizing = (table_slots, oracles)
+        batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
+        return PreparedStep(step, lookups, batches, positions, sizing)
 
     def enter(self, prepared: PreparedStep) -> tuple[int, StepMoves] | None:
         """A prepared batch enters the window; returns the moves of a step now planned."""
         if prepared.step != self._entered:
             raise ValueError(f"a batch prepared for step {prepared.step} cannot enter at "
                              f"step {self._entered}")  # fmt: skip
+        if prepared.sizing is not None:
+            self._install(*prepared.sizing)
         distinct = np.concatenate(
             [pool.table_counts(batch.unique) for pool, batch in zip(self.pools, prepared.batches)]
         )
@@ -270,32 +286,34 @@ class CachedTables:
 
     # ------------------------------------------------------------ internals
 
-    def _pool_slots(self) -> list[int]:
-        return [sum(self.table_slots[t] for t in pool.tables) for pool in self.pools]
+    def _pool_slots(self, table_slots: Sequence[int]) -> list[int]:
+        return [sum(table_slots[t] for t in pool.tables) for pool in self.pools]
 
-    def _size_for(self, lookups: np.ndarray) -> None:
-        """Raise shares below what ``d + 1`` batches like this one can touch; build oracles.
+    def _sized_for(self, lookups: np.ndarray) -> list[int]:
+        """Each table's slots: its share, or what ``d + 1`` batches like this one can touch.
 
         ``lookups`` are this batch's ids per table: ``d + 1`` batches of as many
         ids touch at most ``d + 1`` times that many rows (a bound for batches of
         a fixed shape; batches with more ids may still need more).
         """
         d = self._window.prefetch_distance
-        self.table_slots = list(self._shares)
-        for t, count in enumerate(lookups):
-            needed = min(self.num_rows[t], (d + 1) * int(count))
-            if needed > self.table_slots[t]:
-                if self.names[t] not in self._logged:
-                    self._logged.add(self.names[t])
-                    logger.info("table %s: cache raised from %d to %d rows, what %d batches "
-                                "like the first can touch", self.names[t], self.table_slots[t],
-                                needed, d + 1)  # fmt: skip
-                self.table_slots[t] = needed
+        return [max(share, min(rows, (d + 1) * int(count)))
+                for share, rows, count in zip(self._shares, self.num_rows, lookups)]  # fmt: skip
+
+    def _install(self, table_slots: list[int], oracles: list[CachePlanner]) -> None:
+        """A window's first batch enters: the pools take their sizes, the planners their place."""
+        for t, (share, slots) in enumerate(zip(self._shares, table_slots)):
+            if slots > share and self.names[t] not in self._logged:
+                self._logged.add(self.names[t])
+                logger.info("table %s: cache raised from %d to %d rows, what %d batches like "
+                            "the first can touch", self.names[t], share, slots,
+                            self._window.prefetch_distance + 1)  # fmt: skip
+        self.table_slots = table_slots
         store = self.cache.store
         self._row_bytes = np.array([store.bytes_per_row(t) for t in range(len(self.names))])
-        if self._pool_slots() != self.cache.slots:
-            self.cache.resize(self._pool_slots())
-        self._oracles = [self._planner(slots, p) for p, slots in enumerate(self.cache.slots)]
+        if self._pool_slots(table_slots) != self.cache.slots:
+            self.cache.resize(self._pool_slots(table_slots))
+        self._oracles = oracles
 
     def _read_ahead(self, prepared: PreparedStep) -> None:
         """Start reading the rows this batch's step may fetch: those not resident now.

@@ -26,7 +26,6 @@ from torchrec_lookahead.disk import StoreFiles
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store import HostStore, MmapStore
 from torchrec_lookahead.variable_batch import (
-    check_variable_batch,
     expand_pooled,
     keep_inverse_indices,
     tbe_batch_sizes,
@@ -93,6 +92,14 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         min_cache_rows: int = 1,
         store_dir: str | os.PathLike | None = None,
     ) -> None:
+        sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}), min_cache_rows)
+        names = [t.name for t in tables]
+        unknown = sorted(set(sizing.cache_rows) - set(names))
+        if unknown:
+            raise ValueError(f"cache_rows names unknown tables {unknown}; tables are {names}")
+        poolings = {t.pooling for t in tables}
+        if len(poolings) > 1 or not poolings <= set(_POOLING):
+            raise ValueError(f"tables must share one pooling, SUM or MEAN; got {poolings}")
         compute = torch.device(device) if device is not None else torch.device("cpu")
         host = compute if compute.type == "meta" else torch.device("cpu")
         self.store_dir = None if store_dir is None else Path(store_dir)
@@ -103,28 +110,18 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         super().__init__(tables=tables, is_weighted=is_weighted, device=host)
         self._device = compute
         self._store_files = files
-        if not 0 < cache_load_factor <= 1:
-            raise ValueError(f"cache_load_factor must be in (0, 1], got {cache_load_factor}")
-        names = [t.name for t in tables]
-        unknown = sorted(set(cache_rows or {}) - set(names))
-        if unknown:
-            raise ValueError(f"cache_rows names unknown tables {unknown}; tables are {names}")
-        for name, rows in (cache_rows or {}).items():
-            if rows < 1:
-                raise ValueError(f"cache_rows[{name!r}] must be at least 1, got {rows}")
-        poolings = {t.pooling for t in tables}
-        if len(poolings) > 1 or not poolings <= set(_POOLING):
-            raise ValueError(f"tables must share one pooling, SUM or MEAN; got {poolings}")
-        if min_cache_rows < 1:
-            raise ValueError(f"min_cache_rows must be at least 1, got {min_cache_rows}")
-        self.sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}), min_cache_rows)
+        self.sizing = sizing
         self._fused_params = dict(fused_params or {})
         self._pooling = _POOLING[poolings.pop()]
         self._flat_features = [f for names in self._feature_names for f in names]
         self._feature_tables = [t for t, names in enumerate(self._feature_names) for _ in names]
         self._cached: CachedTables | None = None  # built at the first attach
         if files is not None:
-            self._map_weights(files)
+            try:
+                self._map_weights(files)
+            except BaseException:
+                files.close()  # a refused store keeps nothing open
+                raise
         self.register_load_state_dict_post_hook(lambda module, _: module._reload_cache())
 
     # ------------------------------------------------------------ settings
@@ -209,10 +206,16 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         return keep_inverse_indices(features.permute([index[f] for f in self._flat_features]),
                                     features)  # fmt: skip
 
-    def prepare(self, features: KeyedJaggedTensor) -> PreparedStep:
-        """Check a batch for every table without changing anything (see ``CachedTables``);
-        a deduplicated batch is checked first (see :mod:`~torchrec_lookahead.variable_batch`)."""
-        check_variable_batch(features, f"step {self._cached.entered}")
+    def prepare(
+        self, features: KeyedJaggedTensor, refusal: ValueError | None = None
+    ) -> PreparedStep:
+        """Check a batch for every table without changing anything (see ``CachedTables``).
+
+        ``refusal`` is the stage's verdict on the batch as a whole (its structure,
+        see :mod:`~torchrec_lookahead.checks`): raised as it is.
+        """
+        if refusal is not None:
+            raise refusal
         return self._cached.prepare(self.select(features))
 
     def enter(self, prepared: PreparedStep) -> tuple[int, StepMoves] | None:
@@ -309,6 +312,8 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         in RAM); the ``init_fn`` then writes the mapped weights in place.
         """
         configs = self._embedding_bag_configs
+        files.check_space(sum(4 * c.num_embeddings * c.embedding_dim for c in configs),
+                          "the tables")  # fmt: skip
         for config in configs:
             shape = (config.num_embeddings, config.embedding_dim)
             weight = files.tensor(f"{config.name}.weight", shape)

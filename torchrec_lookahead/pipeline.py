@@ -11,6 +11,7 @@ import torch
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
 from torchrec_lookahead.cached_tables import StepMoves, Window
+from torchrec_lookahead.checks import check_count
 from torchrec_lookahead.executor import PlanExecutor
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
@@ -49,12 +50,14 @@ class LookaheadTrainPipeline(TrainPipeline):
     or inline on the trainer's (``False``).
 
     The first ``progress`` binds the data iterator; the stage reads it until it
-    ends. A batch that cannot be planned (unknown feature, bad id, a window that
+    ends. A batch that cannot be planned (malformed, see
+    :mod:`~torchrec_lookahead.checks`; an unknown feature, a bad id, a window that
     does not fit a cache) makes ``progress`` raise ``ValueError`` naming the
-    step, before any state changes; the batch is dropped (on every rank) and
-    training can go on. Any other exception, Ctrl-C included, stops the stage
-    and the executor before it propagates; so does the end of the data and
-    :meth:`close`. The pipeline is also a context manager that closes itself.
+    step (:class:`~torchrec_lookahead.checks.BatchTypeError`, a ``TypeError`` too,
+    for a tensor of the wrong type), before any state changes; the batch is
+    dropped (on every rank) and training can go on. Any other exception, Ctrl-C
+    included, stops the stage and the executor before it propagates; so does the
+    end of the data and :meth:`close`. The pipeline is also a context manager that closes itself.
     """
 
     def __init__(
@@ -68,12 +71,9 @@ class LookaheadTrainPipeline(TrainPipeline):
         stage_thread: bool = True,
     ) -> None:
         super().__init__()
-        if lookahead < 1:
-            raise ValueError(f"lookahead must be at least 1, got {lookahead}")
-        if prefetch_distance < 0:
-            raise ValueError(f"prefetch_distance must be >= 0, got {prefetch_distance}")
-        if planning_workers < 1:
-            raise ValueError(f"planning_workers must be at least 1, got {planning_workers}")
+        lookahead = check_count("lookahead", lookahead, 1)
+        prefetch_distance = check_count("prefetch_distance", prefetch_distance, 0)
+        planning_workers = check_count("planning_workers", planning_workers, 1)
         self._model = model
         self._optimizer = optimizer
         self._device = device
@@ -88,7 +88,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         for module in self._cached:
             module.attach(window)
         self._stage = LookaheadStage(self._cached, _declared_features(model), device,
-                                     threaded=stage_thread)  # fmt: skip
+                                     threaded=bool(stage_thread))  # fmt: skip
         self._window: deque[Any] = deque()  # batches entered, not yet run
         self._moves: dict[int, StepMoves] = {}  # moves of planned steps not yet issued
         self._entered = 0  # batches that entered the window
@@ -215,14 +215,19 @@ class LookaheadTrainPipeline(TrainPipeline):
             self._issued += 1
 
 
-def _declared_features(model: torch.nn.Module) -> set[str]:
-    """Every feature some embedding module of ``model`` (sharded or not) looks up."""
-    features = set()
+def _declared_features(model: torch.nn.Module) -> dict[str, bool]:
+    """Every feature some embedding module of ``model`` (sharded or not) looks up, and
+    whether that module is weighted (its features need weights)."""
+    features: dict[str, bool] = {}
     for module in model.modules():
         for getter in ("embedding_bag_configs", "embedding_configs"):
             configs = getattr(module, getter, None) or getattr(module, f"_{getter}", None)
             if callable(configs):
                 configs = configs()
+            weighted = getattr(module, "is_weighted", None) or getattr(module, "_is_weighted", 0)
+            if callable(weighted):
+                weighted = weighted()
             for config in configs or []:
-                features.update(config.feature_names)
+                for feature in config.feature_names:
+                    features[feature] = features.get(feature, False) or bool(weighted)
     return features

@@ -46,12 +46,12 @@ from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves, Window
+from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.disk import StoreFiles
-from torchrec_lookahead.ids import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.store import HostStore, MmapStore
-from torchrec_lookahead.variable_batch import check_variable_batch, gather_bags, tbe_batch_sizes
+from torchrec_lookahead.store import ORACLE_ROW_BYTES, HostStore, MmapStore
+from torchrec_lookahead.variable_batch import gather_bags, tbe_batch_sizes
 
 __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
@@ -153,6 +153,9 @@ def _store_buffers(config: GroupedEmbeddingConfig, files: StoreFiles, prefix: st
     if optimizer not in state:
         raise ValueError(f"a disk store supports the optimizers {sorted(map(str, state))}, "
                          f"not {optimizer}")  # fmt: skip
+    state_elements = state[optimizer] or 0
+    files.check_space(4 * (elements + state_elements) + ORACLE_ROW_BYTES * rows,
+                      "the tables, their optimizer state and the oracles' row tables")
     buffers = {"weights": files.tensor(f"{prefix}.weights", (elements,))}
     if state[optimizer] is not None:
         buffers["momentum1"] = files.tensor(f"{prefix}.momentum1", (state[optimizer],))
@@ -328,14 +331,19 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._window_inputs.clear()
         self._entered = 0
 
-    def prepare(self, features: KeyedJaggedTensor) -> tuple[Any, Any, list]:
+    def prepare(
+        self, features: KeyedJaggedTensor, refusal: ValueError | None = None
+    ) -> tuple[Any, Any, list]:
         """Check ids, distribute the batch (a collective), and check every shard's cache.
 
-        Bad ids are refused before the collective. A window that does not fit
-        a shard's cache on any rank is refused on every rank, so all ranks drop
-        the batch together and their collectives stay in step.
+        ``refusal`` is the stage's verdict on the batch as a whole (its
+        structure, see :mod:`~torchrec_lookahead.checks`). It and bad ids are
+        voted on before the collective; a window that does not fit a shard's
+        cache on any rank after it. A batch refused on any rank is refused on
+        every rank, so all ranks drop it together and their collectives stay
+        in step.
         """
-        self._agree(self._check_ids(features))  # before the collective
+        self._agree(refusal or self._check_ids(features))  # before the collective
         start = time.thread_time()
         ctx = self.create_context()
         self._on_stage.active = True
@@ -357,7 +365,6 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
         unchecked = np.iinfo(np.int64).max  # features of other modules
         try:
-            check_variable_batch(features, f"step {self._entered}")
             check_feature_ids(
                 features.values().cpu().numpy(), features.length_per_key(), features.keys(),
                 [self._feature_rows.get(k, unchecked) for k in features.keys()],

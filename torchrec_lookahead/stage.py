@@ -1,16 +1,18 @@
 """The lookahead stage: reads batches ahead, distributes and plans them off the trainer thread.
 
 A background thread (or, if asked, the trainer itself when it asks for the
-next batch) takes batches from the data loader, moves them to the
-device, lets every lookahead module ``prepare`` them (under DMP: the id
-check, ``input_dist`` and the vote on bad batches, on a process group of the
-stage's own) and ``enter`` them, and queues each batch with the moves of the
-steps it completed the window of. The trainer thread only takes batches off
-the queue in order and applies their plans. The oracle's inner loops release
-the GIL, so planning runs beside the step's compute.
+next batch) takes batches from the data loader, checks each once
+(:func:`~torchrec_lookahead.checks.check_batch`), moves it to the device, lets
+every lookahead module ``prepare`` it (under DMP: the vote on bad batches, the
+id check and ``input_dist``, on a process group of the stage's own) and
+``enter`` it, and queues each batch with the moves of the steps it completed
+the window of. The trainer thread only takes batches off the queue in order
+and applies their plans. The oracle's inner loops release the GIL, so
+planning runs beside the step's compute.
 
-A batch that a module refuses (``ValueError``) changes nothing and is queued
-as that error, in its place; any other error ends the stage and is queued
+A batch that the check or a module refuses (``ValueError``, which
+:class:`~torchrec_lookahead.checks.BatchTypeError` is too) changes nothing and is
+queued as that error, in its place; any other error ends the stage and is queued
 with the batch it happened at. ``close`` stops the thread, also while it
 waits on a full queue.
 
@@ -30,13 +32,14 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchrec_lookahead.cached_tables import StepMoves
+from torchrec_lookahead.checks import check_batch, check_count
 
 __all__ = ["LookaheadStage", "StageItem"]
 
@@ -56,7 +59,8 @@ class LookaheadStage:
 
     Args:
         modules: the lookahead modules (unsharded or sharded) to plan for.
-        known_features: every feature some embedding module of the model looks up.
+        features: every feature some embedding module of the model looks up, and
+            whether that module is weighted.
         device: where batches go.
         depth: batches planned ahead of what the trainer has taken.
         threaded: plan on a background thread of idle priority (default), else
@@ -66,16 +70,16 @@ class LookaheadStage:
     def __init__(
         self,
         modules: Sequence[Any],
-        known_features: set[str],
+        features: Mapping[str, bool],
         device: torch.device,
         depth: int = 4,
         threaded: bool = True,
     ) -> None:
         self.threaded = threaded
         self._modules = list(modules)
-        self._known = known_features
+        self._features = dict(features)
         self._device = device
-        self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=check_count("depth", depth, 1))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._iter: Iterator[Any] | None = None
@@ -135,21 +139,27 @@ class LookaheadStage:
             return self._finish()
         except Exception as error:  # the trainer raises it with its step
             return StageItem(error=_at_step(error, self._entered, "reading"))
+        refusal = None
         try:
-            return self._enter(batch.to(self._device, non_blocking=True))
+            check_batch(batch, self._features, f"step {self._entered}")
+        except ValueError as error:  # voted on by the modules (DMP: on every rank)
+            refusal = error
+        try:
+            if refusal is None:
+                batch = batch.to(self._device, non_blocking=True)
+            return self._enter(batch, refusal)
         except ValueError as refused:
             return StageItem(error=refused)
         except Exception as error:
             return StageItem(error=_at_step(error, self._entered, "planning"))
 
-    def _enter(self, batch: Any) -> StageItem:
+    def _enter(self, batch: Any, refusal: ValueError | None = None) -> StageItem:
+        """Let a checked batch into every module's window, or, with ``refusal``, have the
+        modules vote on it (they raise it, or another rank's, on every rank)."""
         start = time.thread_time()
         distributing = self._input_dist_s()
-        features = batch.sparse_features
-        unknown = [k for k in features.keys() if k not in self._known]
-        if unknown:
-            raise ValueError(f"the batch has features {unknown} that no embedding module knows")
-        prepared = [module.prepare(features) for module in self._modules]  # may raise
+        features = getattr(batch, "sparse_features", None)
+        prepared = [module.prepare(features, refusal) for module in self._modules]  # may raise
         item = StageItem(batch=batch)
         for module, tables in zip(self._modules, prepared):
             planned = module.enter(tables)
