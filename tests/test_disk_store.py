@@ -117,7 +117,19 @@ def test_a_store_of_another_model_or_damaged_is_refused(tmp_path):
     layout = {"t0.weight": {"shape": [10, 8], "dtype": "f32"}}
     (tmp_path / "layout.json").write_text(json.dumps(layout))
     os.truncate(tmp_path / "t0.weight.f32", 320)  # whole again: the store opens
-    StoreFiles(tmp_path)
+    StoreFiles(tmp_path).close()
+    for shape in (["ten", 8], [10.5, 8], "10x8", [-10, 8]):
+        (tmp_path / "layout.json").write_text(json.dumps({"t0.weight": {"shape": shape,
+                                                                         "dtype": "f32"}}))
+        with pytest.raises(ValueError, match="layout.json.*not a store's"):
+            StoreFiles(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["layout.json", ".lock"])
+def test_a_layout_or_lock_that_is_a_directory_is_refused(tmp_path, name):
+    (tmp_path / name).mkdir()
+    with pytest.raises(ValueError, match=f"{name}' "):
+        LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)
 
 
 def test_a_store_larger_than_the_free_disk_is_refused_before_writing(tmp_path):
@@ -125,9 +137,47 @@ def test_a_store_larger_than_the_free_disk_is_refused_before_writing(tmp_path):
     rows = free // (4 * 64) + 1
     huge = [EmbeddingBagConfig(name="big", embedding_dim=64, num_embeddings=rows,
                                feature_names=["f"])]  # fmt: skip
-    with pytest.raises(OSError, match="no space for store file .*big.weight.f32"):
+    with pytest.raises(ValueError, match="no space in store_dir .* for the tables"):
         LookaheadEmbeddingBagCollection(tables=huge, store_dir=tmp_path)
-    assert not (tmp_path / "big.weight.f32").exists()
+    assert {p.name for p in tmp_path.iterdir()} <= {".lock"}
+    files = StoreFiles(tmp_path)
+    with pytest.raises(ValueError, match=r"no space for store file .*big.f32': it needs .* GB"):
+        files.tensor("big", (rows, 64))
+    assert {p.name for p in tmp_path.iterdir()} <= {".lock"}
+
+
+def test_a_full_disk_is_found_before_training_not_at_its_first_step(tmp_path, monkeypatch):
+    """The tables fit, their optimizer state and the oracles' tables do not: the pipeline
+    is refused when it is built, naming the store, and no state file is written."""
+    import torchrec_lookahead.disk as disk
+    from torchrec_lookahead import LookaheadTrainPipeline
+
+    model = lookahead_model("adagrad", cache_load_factor=0.2, store_dir=tmp_path)
+    written = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    monkeypatch.setattr(disk, "_free_bytes", lambda directory: 4096)
+    with pytest.raises(ValueError, match="no space in store_dir .* for the optimizer state"):
+        LookaheadTrainPipeline(model, torch.optim.SGD(model.over.parameters(), lr=0.1),
+                               torch.device("cpu"))  # fmt: skip
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == written
+
+
+def test_a_layout_that_cannot_be_written_leaves_no_partial_file(tmp_path, monkeypatch):
+    files = StoreFiles(tmp_path)
+
+    def full_disk(self, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(tmp_path), "write_text", full_disk)
+    with pytest.raises(ValueError, match="layout.json' cannot be written: No space left"):
+        files.tensor("t", (4, 4))
+    assert not (tmp_path / "layout.json.tmp").exists()
+
+
+def test_small_sizes_are_reported_in_small_units() -> None:
+    from torchrec_lookahead.disk import _size
+
+    assert [_size(n) for n in (12, 4_096, 3_500_000, 2 * 10**9)] == [
+        "12 bytes", "4.10 kB", "3.50 MB", "2.00 GB"]  # fmt: skip
 
 
 def test_read_ahead_advises_each_run_of_pages_once(tmp_path):

@@ -108,7 +108,11 @@ class StoreFiles:
             raise ValueError(f"store_dir {str(self.directory)!r} is not an existing directory")
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise ValueError(f"store_dir {str(self.directory)!r} is not writable")
-        self._lock = open(self.directory / ".lock", "w")  # noqa: SIM115 (held while open)
+        try:
+            self._lock = open(self.directory / ".lock", "w")  # noqa: SIM115 (held while open)
+        except OSError as error:
+            raise ValueError(f"store lock {str(self.directory / '.lock')!r} cannot be opened: "
+                             f"{error.strerror}") from None  # fmt: skip
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -117,7 +121,11 @@ class StoreFiles:
                 f"store_dir {str(self.directory)!r} is in use by another store (a module "
                 "of this or another process); give each module a directory of its own"
             ) from None
-        self._layout: dict[str, dict] = self._read_layout()  # name -> {"shape", "dtype"}
+        try:
+            self._layout: dict[str, dict] = self._read_layout()  # name -> {"shape", "dtype"}
+        except ValueError:
+            self._lock.close()
+            raise
         self._tensors: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (tensor, fd)
         self._jobs: queue.Queue = queue.Queue(read_ahead_jobs)
         self.read_ahead_dropped = 0
@@ -135,6 +143,14 @@ class StoreFiles:
 
     # ------------------------------------------------------------ files
 
+    def check_space(self, nbytes: int, what: str) -> None:
+        """Raise ``ValueError`` unless ``nbytes`` more fit on the store's disk (for files
+        to be made later, checked before the first of them is written)."""
+        free = _free_bytes(self.directory)
+        if nbytes > free:
+            raise ValueError(f"no space in store_dir {str(self.directory)!r} for {what}: "
+                             f"{_size(nbytes)} needed, {_size(free)} free")  # fmt: skip
+
     def tensor(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
@@ -150,11 +166,11 @@ class StoreFiles:
                 "the directory belongs to another model; use an empty directory"
             )
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if self._layout.pop(name, None) is not None:
-            self._write_layout()  # a crash while the file is remade leaves no stale record
         old = path.stat().st_size if path.exists() else 0
         if nbytes > _free_bytes(self.directory) + old:
             raise _no_space(path, nbytes)
+        if self._layout.pop(name, None) is not None:
+            self._write_layout()  # a crash while the file is remade leaves no stale record
         path.unlink(missing_ok=True)  # a new inode: earlier mappings keep theirs
         if name in self._tensors:
             os.close(self._tensors.pop(name)[1])
@@ -236,10 +252,15 @@ class StoreFiles:
         try:
             layout = json.loads(path.read_text())
             if not all(set(e) == {"shape", "dtype"} and e["dtype"] in _SUFFIX.values()
+                       and isinstance(e["shape"], list) and all(
+                           isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                           for n in e["shape"])
                        for e in layout.values()):  # fmt: skip
-                raise ValueError("entries must be {'shape': [...], 'dtype': 'f32' or 'i64'}")
-        except (ValueError, TypeError, AttributeError) as error:
-            raise ValueError(f"store layout {str(path)!r} is not a store's: {error}") from None
+                raise ValueError("entries must be {'shape': [rows, ...], 'dtype': 'f32' or "
+                                 "'i64'}")  # fmt: skip
+        except (OSError, ValueError, TypeError, AttributeError) as error:
+            reason = error.strerror if isinstance(error, OSError) else error
+            raise ValueError(f"store layout {str(path)!r} is not a store's: {reason}") from None
         dtypes = {suffix: dtype for dtype, suffix in _SUFFIX.items()}
         for name, entry in layout.items():
             file = self.directory / f"{name}.{entry['dtype']}"
@@ -255,8 +276,13 @@ class StoreFiles:
     def _write_layout(self) -> None:
         path = self.directory / _LAYOUT
         partial = path.with_suffix(".json.tmp")
-        partial.write_text(json.dumps(self._layout, indent=1))
-        os.replace(partial, path)
+        try:
+            partial.write_text(json.dumps(self._layout, indent=1))
+            os.replace(partial, path)
+        except OSError as error:
+            partial.unlink(missing_ok=True)
+            raise ValueError(f"store layout {str(path)!r} cannot be written: "
+                             f"{error.strerror}") from None  # fmt: skip
 
 
 def will_need(tensor: torch.Tensor) -> None:
@@ -289,13 +315,18 @@ def _read(jobs: queue.Queue) -> None:
             advise_rows(fd, base, rows, row_bytes, PAGE, _WILLNEED)
 
 
-def _no_space(path: Path, nbytes: int) -> OSError:
+def _no_space(path: Path, nbytes: int) -> ValueError:
     free = _free_bytes(path.parent)
-    return OSError(
-        errno.ENOSPC,
-        f"no space for store file {str(path)!r}: it needs {nbytes / 1e9:.2f} GB, "
-        f"{free / 1e9:.2f} GB are free",
-    )
+    return ValueError(f"no space for store file {str(path)!r}: it needs {_size(nbytes)}, "
+                      f"{_size(free)} are free")  # fmt: skip
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` for a person: in the largest unit that keeps a figure before the point."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} bytes"
 
 
 def _free_bytes(directory: Path) -> int:

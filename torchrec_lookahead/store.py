@@ -11,7 +11,9 @@ import torch
 from torchrec_lookahead.disk import StoreFiles
 from torchrec_lookahead.oracle_kernels import ROW_FIELDS
 
-__all__ = ["HostStore", "MmapStore"]
+__all__ = ["ORACLE_ROW_BYTES", "HostStore", "MmapStore"]
+
+ORACLE_ROW_BYTES = ROW_FIELDS * 8  # per table row, in the oracles' row tables of a disk store
 
 
 class HostStore:
@@ -143,6 +145,16 @@ class MmapStore(HostStore):
         self.files = files
         self._names = list(names)
         self._regions: dict[int, list[tuple[int, int, int]]] = {}  # table -> (fd, base, row bytes)
+
+    def allocate_states(self, shapes: Sequence[Sequence[torch.Size]]) -> None:
+        """As :meth:`HostStore.allocate_states`, in store files; the disk must hold them and
+        the oracles' row tables (made at the first batch) before any is written."""
+        state_bytes = sum(4 * len(w) * int(np.prod(shape)) for w, table in zip(self.weights, shapes)
+                          for shape in table)  # fmt: skip
+        oracle_bytes = ORACLE_ROW_BYTES * sum(len(w) for w in self.weights)
+        self.files.check_space(state_bytes + oracle_bytes,
+                               "the optimizer state and the oracles' row tables")  # fmt: skip
+        super().allocate_states(shapes)
 
     def _zeros(self, table: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
         return self.files.tensor(f"{self._names[table]}.state{index}", shape)
