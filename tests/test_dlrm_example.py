@@ -130,7 +130,16 @@ def bad_npy_folder(tmp: Path) -> str:
 @pytest.mark.parametrize(
     "flags, code, message",
     [
-        (["--dataset_path", "/nonexistent/criteo"], 1, "no such folder"),
+        (["--dataset_path", "/nonexistent/criteo"], 2, "no such folder"),
+        (["--dataset_path", "FILE"], 2, "--dataset_path FILE: is a file, not a folder"),
+        (["--save_dir", "FILE"], 2, "--save_dir FILE: is a file"),
+        (["--out", "FILE/out"], 2, "--out FILE/out: cannot be created: FILE is a file"),
+        (["--data_cache", "FILE"], 2, "--data_cache FILE: is a file"),
+        (["--save_dir", "DANGLING"], 2, "which is missing"),
+        (["--scale", "0"], 2, "--scale must be a positive number"),
+        (["--scale", "nan"], 2, "--scale must be a positive number"),
+        (["--interaction_type", "dcn", "--dcn_low_rank_dim", "0"], 2, "--dcn_low_rank_dim"),
+        (["--embedding_dim", "6", "--dense_arch_layer_sizes", "64,6"], 2, "multiple of 4"),
         (["--dataset_path", "EMPTY"], 1, "found neither"),
         (["--dataset_path", "BAD_NPY"], 1, "expected dense [N, 13], sparse [N, 26]"),
         (["--lookahead", "0"], 2, "--lookahead must be at least 1"),
@@ -152,11 +161,57 @@ def bad_npy_folder(tmp: Path) -> str:
         (["--dataset_path", "EMPTY", "--session_size", "4"], 2, "--session_size shapes the"),
     ],
 )
-def test_bad_input_gets_one_clear_message(tmp_path: Path, flags, code, message) -> None:
+def test_bad_input_gets_one_clear_message(tmp_path: Path, flags, code, message, capsys) -> None:
+    """Flags and paths are checked as the arguments are read (in this process: exit 2 and
+    one ``error:`` line); data is checked when it is read (exit 1, a run of the example)."""
     (tmp_path / "empty").mkdir()
-    flags = [{"EMPTY": str(tmp_path / "empty"), "BAD_NPY": None}.get(f, f) for f in flags]
-    flags = [bad_npy_folder(tmp_path) if f is None else f for f in flags]
-    done, summary = run(tmp_path, *TINY, *flags)
-    assert done.returncode == code
-    assert message in done.stderr and "Traceback" not in done.stderr
-    assert summary is None  # nothing written
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dangling").mkdir()
+    (tmp_path / "dangling" / "latest").write_text("step_00000005")
+    paths = {"EMPTY": tmp_path / "empty", "FILE": tmp_path / "file",
+             "DANGLING": tmp_path / "dangling"}  # fmt: skip
+
+    def substituted(flag: str) -> str:  # a placeholder at the start of a flag, made real
+        if flag == "BAD_NPY":
+            return bad_npy_folder(tmp_path)
+        for name, path in paths.items():
+            if flag.startswith(name):
+                return str(path) + flag[len(name):]
+        return flag
+
+    flags = [substituted(f) for f in flags]
+    message = message.replace("FILE", str(tmp_path / "file"))
+    if code == 2:
+        sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+        import dlrm_main
+
+        with pytest.raises(SystemExit) as exited:
+            dlrm_main.parse_args([*TINY, "--out", str(tmp_path / "out"), *flags])
+        returncode, stderr = exited.value.code, capsys.readouterr().err
+    else:
+        done, _ = run(tmp_path, *TINY, *flags)
+        returncode, stderr = done.returncode, done.stderr
+    assert returncode == code, stderr[-2000:]
+    assert stderr.count("error:") == 1 and message in stderr, stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_resume_onto_another_model_names_the_flags(tmp_path: Path) -> None:
+    first, _ = run(tmp_path / "first", *TINY, "--limit_train_batches", "3",
+                   "--save_dir", str(tmp_path / "ckpt"))  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    other_models = {
+        "--dense_arch, --embedding_dim": ["--embedding_dim", "8", "--dense_arch_layer_sizes",
+                                          "64,8"],
+        "--adagrad, --dcn_low_rank_dim, --dcn_num_layers, --interaction_type": [
+            "--adagrad", "--interaction_type", "dcn"],
+        "--num_embeddings": ["--scale", "0.002"],
+    }  # fmt: skip
+    for changed, flags in other_models.items():
+        done, summary = run(tmp_path / "again", *TINY, "--limit_train_batches", "6",
+                            "--save_dir", str(tmp_path / "ckpt"), "--resume", *flags)  # fmt: skip
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"holds a model with other {changed};" in done.stderr, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr and summary is None
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step_00000003"]

@@ -27,12 +27,18 @@ PATHS = PathManager()
 
 
 def latest(root: str) -> str | None:
-    """The newest complete checkpoint under ``root``, if any."""
+    """The newest complete checkpoint under ``root``, if any (``ValueError`` if ``latest``
+    names a folder that is gone)."""
     pointer = os.path.join(root, "latest")
     if not PATHS.exists(pointer):
         return None
+    if not PATHS.isfile(pointer):
+        raise ValueError(f"{pointer} is not a file: it should name the latest checkpoint")
     with PATHS.open(pointer) as f:
-        return os.path.join(root, f.read().strip())
+        path = os.path.join(root, f.read().strip())
+    if not PATHS.isdir(path):
+        raise ValueError(f"{pointer} names {path}, which is missing (moved or deleted?)")
+    return path
 
 
 def snapshot(state: Any, into: Any = None) -> Any:
@@ -101,6 +107,9 @@ class Checkpointer:
     the next ``save`` and ``close`` wait for it (``close`` must run before the
     process exits).
 
+    ``files`` (name -> text) are written into every checkpoint folder by rank 0
+    before it is published (the DLRM example describes its model there).
+
     A step is saved once: the state of a step this process already saved or
     loaded is that checkpoint, so saving it again (the end of the data on a
     checkpoint step, a resumed run ending where it resumed) does nothing. A save
@@ -110,8 +119,10 @@ class Checkpointer:
     """
 
     def __init__(self, root: str, asynchronous: bool = False,
-                 written: Callable[[int], None] | None = None) -> None:  # fmt: skip
+                 written: Callable[[int], None] | None = None,
+                 files: dict[str, str] | None = None) -> None:  # fmt: skip
         self.root = root
+        self.files = dict(files or {})
         self.step: int | None = None  # the newest step saved or loaded here
         self.stall_s: list[float] = []  # per save: how long the trainer was held
         self._written = written
@@ -181,6 +192,9 @@ class Checkpointer:
             ) from error
         dist.barrier(group=group)
         if rank0:
+            for name, text in self.files.items():
+                with PATHS.open(os.path.join(partial, name), "w") as f:
+                    f.write(text)
             shutil.rmtree(final, ignore_errors=True)  # an unpublished leftover: not latest
             os.replace(partial, final)
             pointer = os.path.join(self.root, ".latest.partial")

@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import math
 import os
 import signal
 import socket
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 import torchmetrics  # noqa: E402
 from checkpoint import Checkpointer, latest  # noqa: E402
 from data import (  # noqa: E402
@@ -168,11 +170,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if (value is None and not allow_none) or (value is not None and value < 1):
             p.error(f"--{name} must be a positive integer, got {value}")
 
+    def positive_number(name: str, allow_zero: bool = False) -> None:
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and (value > 0 or
+                                                                 allow_zero and value == 0)):
+            p.error(f"--{name} must be a {'non-negative' if allow_zero else 'positive'} "
+                    f"number, got {value}")  # fmt: skip
+
     for name in ("epochs", "batch_size", "embedding_dim", "synthetic_days",
                  "synthetic_samples_per_day", "test_batch_size", "limit_train_batches",
                  "limit_val_batches", "limit_test_batches", "checkpoint_every",
-                 "session_size"):  # fmt: skip
+                 "session_size", "dcn_num_layers", "dcn_low_rank_dim",
+                 "plan_sample_batches"):  # fmt: skip
         positive(name)
+    for name in ("scale", "zipf", "learning_rate", "cache_budget_mb"):
+        positive_number(name)
+    positive_number("step_compute_ms", allow_zero=True)
+    if args.embedding_dim % 4:
+        p.error(f"--embedding_dim must be a multiple of 4 (FBGEMM's kernels need row widths "
+                f"in multiples of 4), got {args.embedding_dim}")  # fmt: skip
+    for name, must_exist in (("dataset_path", True), ("store_dir", True), ("save_dir", False),
+                             ("data_cache", False), ("out", False)):  # fmt: skip
+        if problem := folder_problem(getattr(args, name), must_exist):
+            p.error(f"--{name} {getattr(args, name)}: {problem}")
     if args.lookahead < 1:
         p.error(
             f"--lookahead must be at least 1 (the oracle needs to see ahead), got {args.lookahead}"
@@ -195,7 +215,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.async_checkpoint and args.store_dir:
         p.error("--async_checkpoint copies every table into RAM; with --store_dir checkpoints "
                 "are written in the foreground, streamed from the store files")  # fmt: skip
-    if args.save_dir and not args.resume and first_attempt() and (found := latest(args.save_dir)):
+    try:
+        found = latest(args.save_dir) if args.save_dir else None
+    except ValueError as error:
+        p.error(f"--save_dir: {error}")
+    if args.save_dir and not args.resume and first_attempt() and found:
         p.error(f"--save_dir {args.save_dir} already holds a checkpoint "
                 f"({os.path.basename(found)}); pass --resume to continue from it, or choose "
                 "an empty folder")  # fmt: skip
@@ -230,8 +254,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_embeddings = list(CRITEO_KAGGLE_TABLE_SIZES)
     else:
         args.num_embeddings = list(SyntheticCriteo(scale=args.scale).num_embeddings)
+    if args.resume and found and (changed := model_changes(args, found)):
+        p.error(f"--resume: {found} holds a model with other {changed}; resume with the "
+                "flags that wrote it, or choose another --save_dir")  # fmt: skip
     return args
 
+
+def folder_problem(path: str | None, must_exist: bool) -> str | None:
+    """What is wrong with ``path`` as a folder to read (``must_exist``) or to create, if
+    anything: a file where a folder is expected, here or above."""
+    if path is None:
+        return None
+    folder = Path(path)
+    if folder.exists():
+        return None if folder.is_dir() else "is a file, not a folder"
+    if must_exist:
+        return "no such folder"
+    above = next((p for p in folder.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"cannot be created: {above} is a file"
+    return None
+
+
+MODEL_FILE = "model.json"  # in every checkpoint folder: the flags that shaped its model
+# The flags that shape the model a checkpoint holds (a resumed run must match them).
+MODEL_FLAGS = ("embedding_dim", "num_embeddings", "dense_arch", "over_arch", "interaction_type",
+               "dcn_num_layers", "dcn_low_rank_dim", "adagrad")  # fmt: skip
+
+
+def model_config(args: argparse.Namespace) -> dict[str, object]:
+    config = {name: getattr(args, name) for name in MODEL_FLAGS}
+    if args.interaction_type != "dcn":  # the DCN flags do not shape a DLRM
+        config.pop("dcn_num_layers"), config.pop("dcn_low_rank_dim")
+    return config
+
+
+def model_changes(args: argparse.Namespace, checkpoint: str) -> str | None:
+    """The model flags (as ``--flag``s) that differ from those ``checkpoint`` was saved
+    with (its ``model.json``); None if none differ or it does not say."""
+    recorded = Path(checkpoint) / MODEL_FILE
+    if not recorded.is_file():
+        return None
+    saved = json.loads(recorded.read_text())
+    wanted = json.loads(json.dumps(model_config(args)))  # lists as JSON gives them back
+    changed = [f"--{k}" for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+    return ", ".join(changed) or None
 
 # ------------------------------------------------------------------ set-up
 
@@ -554,13 +621,21 @@ def run(args: argparse.Namespace) -> int:
         written = None
         if args.fail_at_step is not None and args.fail_in == "checkpoint":
             written = partial(fail_here, args, rank, "checkpoint")
-        checkpointer = Checkpointer(args.save_dir, args.async_checkpoint, written)
+        checkpointer = Checkpointer(args.save_dir, args.async_checkpoint, written,
+                                    {MODEL_FILE: json.dumps(model_config(args), indent=1)})
     start_step = 0
     if args.resume:
         state = checkpoint_state(look, look_opt, 0)
-        if path := checkpointer.load(state):
-            look.load_state_dict(state["model"])
-            look_opt.load_state_dict(state["optimizer"])
+        try:
+            path = checkpointer.load(state)
+            if path:
+                look.load_state_dict(state["model"])
+                look_opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, dcp.CheckpointException) as error:
+            raise ValueError(f"--resume: the latest checkpoint in {args.save_dir} does not fit "
+                             f"this model ({type(error).__name__}); resume with the flags that "
+                             "wrote it") from error  # fmt: skip
+        if path:
             start_step = state["step"]
             if rank == 0:
                 print(f"resumed from {path} at step {start_step}")
