@@ -104,3 +104,15 @@ def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -
     assert "dense floor" in out and "one gather" in out
     assert all(r["expand_ms"]["fbgemm"] > 0 and r["expand_ms"]["gather"] > 0 for r in (one, eight))
     assert (tmp_path / "dedup.png").stat().st_size > 0
+
+
+def test_batch_check_report_times_both_checks(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "batch_check.py"), "--out", str(tmp_path),
+           "--scale", "0.001", "--batch-sizes", "64", "128", "--calls", "3", "--repeats", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "structure" in out and "ids" in out
+    results = json.loads((tmp_path / "report.json").read_text())["results"]
+    assert {(r["check"], r["batch_size"]) for r in results} == {
+        (c, b) for c in ("structure", "ids") for b in (64, 128)}  # fmt: skip
+    assert all(len(r["ms_runs"]) == 2 and r["ms"] > 0 for r in results)
+    assert {r["ids"] for r in results if r["batch_size"] == 64} == {64 * 26}
