@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo oracle test lint bench clean
+.PHONY: install demo oracle test lint docs bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+# The design, guides, results and an API reference from the docstrings, warnings as errors.
+docs: install
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 
 bench: install
 	$(PY) benchmarks/oracle.py --out results/oracle-large --scale 0.5 --steps 400
@@ -40,4 +45,4 @@ bench: install
 	$(PY) benchmarks/planner.py --out results/planner100 --sample-batches 100
 
 clean:
-	rm -rf $(VENV) results .cache .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) results .cache .pytest_cache .hypothesis *.egg-info docs/_build docs/_api

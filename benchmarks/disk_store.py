@@ -49,11 +49,11 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from tqdm import tqdm
 
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
-from torchrec_lookahead.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
-from torchrec_lookahead.disk import anonymous_rss_bytes
-from torchrec_lookahead.store import HostStore, MmapStore
+from torchrec_lookahead.store.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
+from torchrec_lookahead.store.files import anonymous_rss_bytes
+from torchrec_lookahead.store.stores import HostStore, MmapStore
 
 
 def process_io() -> dict[str, int]:

@@ -3,14 +3,24 @@
 On a Criteo-shaped stream (26 tables of Criteo Kaggle's sizes times --scale,
 per-table Zipf skew) it counts, at cache sizes of a few percent of each
 table, how many rows each policy fetches (the oracle and MIN with the
-frequency tie-break). Two variants of the oracle at the longest lookahead
-stand beside them: the previous recency tie-break, and one pooled oracle
-over all tables' ids with the same total slots (instead of a fixed split per
-table). It then times the oracle, on 1 and 2 partitions (threads), against
+frequency tie-break), two ways:
+
+* per table: each table has a cache of its own, of a fixed share of the
+  slots, and every policy runs on each table alone (plus the oracle at the
+  longest lookahead with the previous recency tie-break);
+* pooled: one cache over all tables' ids (table t's id i offset by the rows
+  of the tables before it) with the same total slots, as a slot pool plans
+  and as FBGEMM's UVM cache is shared by a TBE's tables. LRU, LFU, the
+  oracle and MIN all run pooled, so pooled MIN is the limit the pooled oracle
+  is measured against.
+
+It then times the oracle, on 1 and 2 partitions (threads), against
 ``np.unique(batch, return_inverse=True)`` on 65,536-id batches of a 2M-row
 table, the floor for any planner that has to deduplicate its input.
 
-Writes ``report.json`` and ``misses.png`` into --out and prints both tables.
+Writes ``report.json`` (``misses.results``: per table; ``misses.variants``:
+per-table variants; ``misses.pooled``: one cache over all tables) and
+``misses.png`` into --out and prints the tables.
 """
 
 from __future__ import annotations
@@ -27,8 +37,8 @@ from common import machine, pinned_rows_needed
 from tqdm import tqdm
 
 from torchrec_lookahead.data import SyntheticCriteo, ZipfSampler
-from torchrec_lookahead.partitioned import PartitionedOracle
-from torchrec_lookahead.simulate import lfu_misses, lru_misses, min_misses, oracle_misses
+from torchrec_lookahead.oracle.partitioned import PartitionedOracle
+from torchrec_lookahead.testing.simulate import lfu_misses, lru_misses, min_misses, oracle_misses
 
 BAGPIPE_IDS_PER_S = 16384 * 26 / 0.075  # Bagpipe's Python oracle, per its paper
 
@@ -54,20 +64,34 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
             lambda b, c, n, L=lookahead: oracle_misses(b, c, L, d, n)
         )
     policies["MIN"] = per_table(min_misses)
-    # One oracle over all tables: table t's id i is sum(rows of tables < t) + i.
-    offsets = np.cumsum([0, *data.num_embeddings[:-1]])
-    pooled = [
-        np.concatenate([stream[step] + offset for stream, offset in zip(streams, offsets)])
-        for step in range(args.steps)
-    ]
     variants: dict[str, object] = {
         f"L={longest} recency": per_table(
             lambda b, c, n: oracle_misses(b, c, longest, d, n, tie_break="recency")
         ),
-        f"pooled L={longest}": lambda caps: int(
-            oracle_misses(pooled, sum(caps), longest, d, sum(data.num_embeddings)).sum()
-        ),
     }
+    # One cache over all tables: table t's id i is sum(rows of tables < t) + i, and the
+    # capacity is the sum of the tables' shares (what a slot pool plans, and how FBGEMM's
+    # UVM cache is shared by a TBE's tables).
+    offsets = np.cumsum([0, *data.num_embeddings[:-1]])
+    pooled_stream = [
+        np.concatenate([stream[step] + offset for stream, offset in zip(streams, offsets)])
+        for step in range(args.steps)
+    ]
+    total_rows = sum(data.num_embeddings)
+
+    def one_pool(simulate) -> object:
+        """Misses of ``simulate(stream, capacity, rows)`` on the pooled stream."""
+        return lambda caps: int(simulate(pooled_stream, sum(caps), total_rows).sum())
+
+    pooled: dict[str, object] = {
+        "pooled LRU": one_pool(lru_misses),
+        "pooled LFU": one_pool(lfu_misses),
+    }
+    for lookahead in args.lookaheads:
+        pooled[f"pooled L={lookahead}"] = one_pool(
+            lambda b, c, n, L=lookahead: oracle_misses(b, c, L, d, n)
+        )
+    pooled["pooled MIN"] = one_pool(min_misses)
 
     def results(named: dict[str, object]) -> list[dict[str, object]]:
         rows = []
@@ -97,6 +121,7 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
         "compulsory_misses": compulsory,
         "results": results(policies),
         "variants": results(variants),
+        "pooled": results(pooled),
     }
 
 
@@ -152,55 +177,77 @@ def plot(report: dict[str, object], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    results = report["misses"]["results"] + report["misses"]["variants"]
-    variants = {r["policy"] for r in report["misses"]["variants"]}
-    for policy in dict.fromkeys(r["policy"] for r in results):
-        pts = [r for r in results if r["policy"] == policy]
-        ax.plot(
-            [100 * p["cache_fraction"] for p in pts],
-            [100 * p["miss_rate"] for p in pts],
-            marker="o",
-            label=policy,
-            linestyle="--" if policy == "MIN" else ":" if policy in variants else "-",
-        )
-    compulsory = (
-        report["misses"]["compulsory_misses"] / report["misses"]["distinct_ids_per_step_total"]
-    )
-    ax.axhline(100 * compulsory, color="grey", linewidth=1, label="first touches (any cache)")
-    ax.set_xscale("log")
-    fractions = sorted({100 * r["cache_fraction"] for r in results})
-    ax.set_xticks(fractions, [f"{f:g}" for f in fractions])
-    ax.minorticks_off()
-    ax.set_xlabel("cache size (% of each table's rows)")
-    ax.set_ylabel("misses (% of distinct ids per step)")
+    misses = report["misses"]
+    panels = [
+        ("a cache per table (fixed share each)", misses["results"] + misses["variants"]),
+        ("one pooled cache over all tables (same total)", misses["pooled"]),
+    ]
+    variants = {r["policy"] for r in misses["variants"]}
+    compulsory = misses["compulsory_misses"] / misses["distinct_ids_per_step_total"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for ax, (title, results) in zip(axes, panels):
+        for policy in dict.fromkeys(r["policy"] for r in results):
+            pts = [r for r in results if r["policy"] == policy]
+            ax.plot(
+                [100 * p["cache_fraction"] for p in pts],
+                [100 * p["miss_rate"] for p in pts],
+                marker="o",
+                label=policy,
+                linestyle="--" if policy.endswith("MIN") else ":" if policy in variants else "-",
+            )
+        ax.axhline(100 * compulsory, color="grey", linewidth=1, label="first touches (any cache)")
+        ax.set_xscale("log")
+        fractions = sorted({100 * r["cache_fraction"] for r in results})
+        ax.set_xticks(fractions, [f"{f:g}" for f in fractions])
+        ax.minorticks_off()
+        ax.set_xlabel("cache size (% of each table's rows)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    axes[0].set_ylabel("misses (% of distinct ids per step)")
     cfg = report["config"]
-    ax.set_title(
+    fig.suptitle(
         f"Criteo-shaped stream, scale {cfg['scale']}, Zipf {cfg['zipf']}, "
         f"batch {cfg['batch_size']}, {cfg['steps']} steps"
     )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def print_tables(report: dict[str, object]) -> None:
-    misses = report["misses"]
-    results = misses["results"] + misses["variants"]
+def print_misses(title: str, results: list[dict[str, object]], ratio: tuple[str, str]) -> None:
+    """One table of miss rates, a column per policy and ``ratio[0] / ratio[1]`` last."""
     policies = list(dict.fromkeys(r["policy"] for r in results))
     fractions = list(dict.fromkeys(r["cache_fraction"] for r in results))
+    top, bottom = ratio
+    label = "/".join(p.removeprefix("pooled ").removeprefix("oracle ") for p in ratio)
+    print(f"\n{title}")
+    print(f"{'cache':>7} {'rows':>10} " + " ".join(f"{p:>14}" for p in policies) + f" {label:>12}")
+    for f in fractions:
+        row = {r["policy"]: r for r in results if r["cache_fraction"] == f}
+        cells = " ".join(f"{100 * row[p]['miss_rate']:>13.2f}%" for p in policies)
+        quotient = row[top]["misses"] / row[bottom]["misses"]
+        print(f"{100 * f:>6.1f}% {row[policies[0]]['cache_rows']:>10,} {cells} {quotient:>11.2f}x")
+
+
+def print_tables(report: dict[str, object]) -> None:
+    misses = report["misses"]
+    longest = max(report["config"]["lookaheads"])
     print(
         f"\nMisses (% of distinct ids per step) on {misses['tables']} tables, "
         f"{misses['rows']:,} rows, {misses['ids']:,} ids; compulsory misses "
         f"{100 * misses['compulsory_misses'] / misses['distinct_ids_per_step_total']:.2f}%"
     )
-    print(f"{'cache':>7} {'rows':>10} " + " ".join(f"{p:>14}" for p in policies))
-    for f in fractions:
-        row = {r["policy"]: r for r in results if r["cache_fraction"] == f}
-        cells = " ".join(f"{100 * row[p]['miss_rate']:>13.2f}%" for p in policies)
-        print(f"{100 * f:>6.1f}% {row[policies[0]]['cache_rows']:>10,} {cells}")
+    print_misses(
+        "A cache per table, each a fixed share of the slots:",
+        misses["results"] + misses["variants"],
+        (f"oracle L={longest}", "LRU"),
+    )
+    print_misses(
+        "One pooled cache over all tables' ids (offset per table), the same total slots:",
+        misses["pooled"],
+        (f"pooled L={longest}", "pooled LRU"),
+    )
     cfg = report["config"]
     print(
         f"\nPlanning speed: {cfg['tp_batches']} batches of {cfg['tp_batch']:,} ids, "
@@ -217,7 +264,10 @@ def print_tables(report: dict[str, object]) -> None:
             f"{t['unique_s']:>9.3f} {t['ratio_to_unique']:>6.2f} {t['ids_per_s'] / 1e6:>8.1f} "
             f"{t['speedup_vs_bagpipe']:>9.1f}"
         )
-    print(f"\nMachine: {report['machine']['cpu']}, {report['machine']['cores']} cores")
+    print(
+        f"\nMachine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
+        f"{report['date']}"
+    )
 
 
 def main() -> None:
@@ -243,7 +293,11 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    report = {"config": vars(args) | {"out": str(args.out)}, "machine": machine()}
+    report = {
+        "config": vars(args) | {"out": str(args.out)},
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
     report["misses"] = miss_table(args)
     report["throughput"] = throughput(args)
     report["seconds"] = time.perf_counter() - start

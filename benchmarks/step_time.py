@@ -10,7 +10,7 @@ weights (checked). Two set-ups:
 * ``--world-size 1`` or ``2``: ``DistributedModelParallel`` on spawned gloo
   ranks; the baseline is plain TorchRec (``EmbeddingBagCollection``, default
   sharder, ``TrainPipelineSparseDist``), the lookahead model the canonical
-  use of ``DESIGN.md`` section 5. Each rank has its own batches.
+  use of the canonical use (``docs/design.md``). Each rank has its own batches.
 
 Both give every table --cache-load-factor of its rows (raised at the first
 batch where the window needs more). The lookahead step time splits into
@@ -45,7 +45,7 @@ from tqdm import tqdm
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
-from torchrec_lookahead.resident import FullyResidentEmbeddingBagCollection
+from torchrec_lookahead.testing.resident import FullyResidentEmbeddingBagCollection
 
 
 def table_configs(args: argparse.Namespace, data: SyntheticCriteo) -> list[EmbeddingBagConfig]:

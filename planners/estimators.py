@@ -21,18 +21,19 @@ from torchrec.distributed.planner.shard_estimators import (
 )
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
+    ShardEstimator,
     ShardingOption,
     Storage,
     Topology,
 )
 
 from planners.cost import TableCacheCost, row_move_bandwidth
-from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
 
 __all__ = ["LookaheadPerfEstimator", "LookaheadStorageEstimator"]
 
 
-class _LookaheadShards:
+class _LookaheadShards(ShardEstimator):
     """What both estimators share: the tables' costs and a walk over lookahead shards."""
 
     def __init__(

@@ -28,7 +28,7 @@ def lookahead_planner(
     cache_budget_bytes: int | None = None,
     constraints: Mapping[str, ParameterConstraints] | None = None,
 ) -> tuple[EmbeddingShardingPlanner, CacheProposal]:
-    """A planner for models with ``LookaheadEmbeddingBagCollection``s, and the cache sizes it uses.
+    """A planner for models with ``LookaheadEmbeddingBagCollection`` modules, and its cache sizes.
 
     Every table with ``statistics`` gets the cache load factor the
     :class:`LookaheadCacheProposer` picks (through ``cache_params.load_factor``,

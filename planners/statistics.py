@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from torchrec.distributed.types import CacheStatistics
 
-from torchrec_lookahead.oracle import as_id_array
-from torchrec_lookahead.simulate import oracle_misses
+from torchrec_lookahead.oracle.cacher import as_id_array
+from torchrec_lookahead.testing.simulate import oracle_misses
 
 __all__ = ["LOAD_FACTOR_GRID", "LookaheadCacheStatistics"]
 

@@ -23,7 +23,7 @@ def replay(
     capacity: int,
     prefetch_distance: int,
 ) -> None:
-    """Assert every rule of DESIGN.md section 4 on ``plans`` for ``batches``."""
+    """Assert every rule of the oracle's contract (docs/design.md) on ``plans`` for ``batches``."""
     d = prefetch_distance
     steps = [set(np.asarray(b).tolist()) for b in batches]
     assert [p.step for p in plans] == list(range(len(batches)))

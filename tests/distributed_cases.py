@@ -1,4 +1,4 @@
-"""The canonical use (DESIGN.md section 5) against plain TorchRec, run in spawned gloo ranks.
+"""The canonical use (docs/design.md) against plain TorchRec, run in spawned gloo ranks.
 
 Each rank builds the baseline (``EmbeddingBagCollection``, default sharder,
 ``TrainPipelineSparseDist``) and the lookahead model (same code with
@@ -37,7 +37,7 @@ from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPi
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
-from torchrec_lookahead.sharder import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.embedding.sharder import LookaheadEmbeddingBagCollectionSharder
 
 OPTIMIZERS = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 SIZES = (6000, 3000, 1500)
@@ -204,7 +204,7 @@ def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
     holds exactly the plain run's state."""
     import torch.distributed.checkpoint as dcp
 
-    from torchrec_lookahead.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
+    from torchrec_lookahead.store.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
 
     path = [tempfile.mkdtemp(prefix="lookahead-ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)

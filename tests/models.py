@@ -19,7 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.dedup import deduplicate
-from torchrec_lookahead.resident import FullyResidentEmbeddingBagCollection
+from torchrec_lookahead.testing.resident import FullyResidentEmbeddingBagCollection
 
 # Tables of different sizes and dims; t0 serves two features; w0 and w1 are weighted and
 # share a slot pool (equal dims).

@@ -25,9 +25,9 @@ from models import (
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-import torchrec_lookahead.modules as modules
+import torchrec_lookahead.embedding.collection as modules
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.disk import StoreFiles, advise_rows
+from torchrec_lookahead.store.files import StoreFiles, advise_rows
 
 DATA = batches(60)
 
@@ -149,7 +149,7 @@ def test_a_store_larger_than_the_free_disk_is_refused_before_writing(tmp_path):
 def test_a_full_disk_is_found_before_training_not_at_its_first_step(tmp_path, monkeypatch):
     """The tables fit, their optimizer state and the oracles' tables do not: the pipeline
     is refused when it is built, naming the store, and no state file is written."""
-    import torchrec_lookahead.disk as disk
+    import torchrec_lookahead.store.files as disk
     from torchrec_lookahead import LookaheadTrainPipeline
 
     model = lookahead_model("adagrad", cache_load_factor=0.2, store_dir=tmp_path)
@@ -174,7 +174,7 @@ def test_a_layout_that_cannot_be_written_leaves_no_partial_file(tmp_path, monkey
 
 
 def test_small_sizes_are_reported_in_small_units() -> None:
-    from torchrec_lookahead.disk import _size
+    from torchrec_lookahead.store.files import _size
 
     assert [_size(n) for n in (12, 4_096, 3_500_000, 2 * 10**9)] == [
         "12 bytes", "4.10 kB", "3.50 MB", "2.00 GB"]  # fmt: skip
@@ -214,7 +214,7 @@ def test_dcp_checkpoints_are_interchangeable_with_plain_torchrec(tmp_path):
 def test_streamed_dcp_checkpoints_are_saved_in_chunks_and_load_anywhere(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from torchrec_lookahead.checkpoint import StreamingSavePlanner
+    from torchrec_lookahead.store.checkpoint import StreamingSavePlanner
 
     (tmp_path / "store").mkdir()
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from torchrec_lookahead.executor import PlanExecutor
+from torchrec_lookahead.pipeline.executor import PlanExecutor
 
 
 def test_moves_run_in_submit_order_off_the_trainer_thread() -> None:

@@ -1,4 +1,4 @@
-"""OracleCacher: the contract of DESIGN.md section 4, against the reference simulator."""
+"""OracleCacher: the oracle's contract (docs/design.md), against the reference simulator."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchrec_lookahead import OracleCacher
-from torchrec_lookahead import oracle_kernels as kernels
-from torchrec_lookahead.oracle import TIE_BREAKS
-from torchrec_lookahead.simulate import reference_min, reference_windowed
+from torchrec_lookahead.oracle import kernels
+from torchrec_lookahead.oracle.cacher import TIE_BREAKS
+from torchrec_lookahead.testing.simulate import reference_min, reference_windowed
 
 tie_breaks = st.sampled_from(TIE_BREAKS)
 
@@ -267,8 +267,8 @@ def test_prepare_checks_without_changing_anything() -> None:
 def test_load_kernels_loads_every_planning_kernel_before_the_first_batch() -> None:
     """In a fresh process: nothing is loaded at import, all three passes after."""
     script = (
-        "from torchrec_lookahead import oracle_kernels as k\n"
-        "from torchrec_lookahead.oracle import load_kernels\n"
+        "from torchrec_lookahead.oracle import kernels as k\n"
+        "from torchrec_lookahead.oracle.cacher import load_kernels\n"
         "passes = (k.prepare_batch, k.enter_batch, k.emit_step)\n"
         "print([len(p.signatures) for p in passes])\n"
         "load_kernels()\n"

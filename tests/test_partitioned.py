@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from test_oracle import tie_breaks, traces
 
 from torchrec_lookahead import CachePlan, OracleCacher
-from torchrec_lookahead.oracle_kernels import global_ids, split_of
-from torchrec_lookahead.partitioned import PartitionedOracle
+from torchrec_lookahead.oracle.kernels import global_ids, split_of
+from torchrec_lookahead.oracle.partitioned import PartitionedOracle
 
 
 def share(plan: CachePlan, low: int, high: int) -> CachePlan:

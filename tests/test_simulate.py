@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchrec_lookahead.oracle import TIE_BREAKS
-from torchrec_lookahead.simulate import (
+from torchrec_lookahead.oracle.cacher import TIE_BREAKS
+from torchrec_lookahead.testing.simulate import (
     lfu_misses,
     lru_misses,
     min_misses,

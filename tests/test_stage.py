@@ -17,7 +17,7 @@ from models import (
 )
 
 from torchrec_lookahead import LookaheadTrainPipeline
-from torchrec_lookahead.cache import CacheTable
+from torchrec_lookahead.cache.table import CacheTable
 
 DATA = batches(30)
 THREADS = ("lookahead-stage", "lookahead-executor")
@@ -94,7 +94,7 @@ def test_a_planning_error_reaches_the_trainer_with_its_step(live_threads, thread
     enter = model.weighted.enter
 
     def failing(prepared):
-        if prepared.step == 9:
+        if prepared.groups[0].step == 9:
             raise MemoryError("no room for the plan")
         return enter(prepared)
 

@@ -10,7 +10,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from torchrec_lookahead.store import HostStore
+from torchrec_lookahead.store.stores import HostStore
 
 
 def tbe_store(rows: list[int], dims: list[int]) -> HostStore:

@@ -1,10 +1,26 @@
-"""torchrec-lookahead: lookahead (oracle) embedding caching for TorchRec."""
+"""torchrec-lookahead: lookahead (oracle) embedding caching for TorchRec.
+
+The oracle and the metrics import without torch; the TorchRec-facing classes
+import torch, FBGEMM and TorchRec (seconds) on first use.
+"""
+
+from typing import TYPE_CHECKING
 
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.oracle import CachePlan, OracleCacher
-from torchrec_lookahead.partitioned import PartitionedOracle
+from torchrec_lookahead.oracle import OracleCacher, PartitionedOracle
+from torchrec_lookahead.types import CachePlan
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
+    from torchrec_lookahead.checks import BatchTypeError
+    from torchrec_lookahead.embedding import (
+        LookaheadEmbeddingBagCollection,
+        LookaheadEmbeddingBagCollectionSharder,
+        lookahead_sharders,
+    )
+    from torchrec_lookahead.pipeline import LookaheadTrainPipeline
 
 __all__ = [
+    "BatchTypeError",
     "CacheMetrics",
     "CachePlan",
     "LookaheadEmbeddingBagCollection",
@@ -16,16 +32,15 @@ __all__ = [
 ]
 
 _LAZY = {
-    "LookaheadEmbeddingBagCollection": "torchrec_lookahead.modules",
-    "LookaheadEmbeddingBagCollectionSharder": "torchrec_lookahead.sharder",
+    "BatchTypeError": "torchrec_lookahead.checks",
+    "LookaheadEmbeddingBagCollection": "torchrec_lookahead.embedding",
+    "LookaheadEmbeddingBagCollectionSharder": "torchrec_lookahead.embedding",
     "LookaheadTrainPipeline": "torchrec_lookahead.pipeline",
-    "lookahead_sharders": "torchrec_lookahead.sharder",
+    "lookahead_sharders": "torchrec_lookahead.embedding",
 }
 
 
 def __getattr__(name: str) -> object:
-    # The TorchRec-facing classes import torch, FBGEMM and torchrec (seconds);
-    # the oracle and simulators do not need them.
     if name in _LAZY:
         import importlib
 

@@ -12,8 +12,6 @@ crash, where it is inconsistent.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -21,16 +19,13 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.variable_batch import check_variable_batch
-
 __all__ = [
     "ID_DTYPES",
     "BatchTypeError",
     "check_batch",
-    "check_count",
     "check_feature_ids",
-    "check_fraction",
     "check_structure",
+    "check_variable_batch",
 ]
 
 ID_DTYPES = (torch.int64, torch.int32)  # the id types TorchRec's embedding modules take
@@ -125,7 +120,7 @@ def check_feature_ids(
     values: np.ndarray,
     lengths_per_key: Sequence[int],
     keys: Sequence[str],
-    rows_per_key: Sequence[int],
+    rows_per_key: Sequence[int] | np.ndarray,
     where: str,
 ) -> None:
     """Raise ``ValueError`` naming ``where``, the feature and the id if any id of
@@ -149,23 +144,45 @@ def check_feature_ids(
     )
 
 
-def check_count(name: str, value: Any, minimum: int) -> int:
-    """``value`` if it is an integer (not a bool) of at least ``minimum``; else
-    ``TypeError`` / ``ValueError`` naming the setting."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return int(value)
+def check_variable_batch(features: KeyedJaggedTensor, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` if a deduplicated batch does not add up.
 
-
-def check_fraction(name: str, value: Any) -> float:
-    """``value`` if it is a real number in (0, 1]; else ``TypeError`` / ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    if not (math.isfinite(value) and 0 < value <= 1):
-        raise ValueError(f"{name} must be in (0, 1], got {value}")
-    return float(value)
+    Checks, before anything reads the batch: one stride per key, strides that
+    sum to the number of bags (lengths), inverse indices given for every key,
+    one row of equal length per key, and each within its key's stride.
+    Batches of one stride pass untouched.
+    """
+    if not features.variable_stride_per_key():
+        return
+    keys = features.keys()
+    per_rank = features.stride_per_key_per_rank()
+    if len(per_rank) != len(keys) or any(len(r) != 1 for r in per_rank):
+        raise ValueError(f"{where}: a deduplicated batch needs one stride per key, got "
+                         f"{per_rank} for keys {keys}")  # fmt: skip
+    strides = [r[0] for r in per_rank]
+    bags = features.lengths().numel()
+    if sum(strides) != bags:
+        raise ValueError(f"{where}: the strides {strides} add up to {sum(strides)} bags but the "
+                         f"batch has {bags} lengths")  # fmt: skip
+    inverse = features.inverse_indices_or_none()
+    if inverse is None:
+        raise ValueError(f"{where}: a deduplicated batch (strides {strides}) needs "
+                         "inverse_indices, the bag of each sample")  # fmt: skip
+    names, indices = inverse
+    missing = [k for k in keys if k not in names]
+    if missing:
+        raise ValueError(f"{where}: inverse_indices has no row for features {missing}")
+    if indices.dim() != 2 or indices.shape[0] != len(names) or indices.is_floating_point():
+        raise ValueError(f"{where}: inverse_indices must be an integer tensor [keys, batch] "
+                         f"= [{len(names)}, batch], got {tuple(indices.shape)} "
+                         f"{indices.dtype}")  # fmt: skip
+    rows = indices.cpu().numpy()
+    for key, stride in zip(keys, strides):
+        row = rows[names.index(key)]
+        bad = (row < 0) | (row >= stride)
+        if bad.any():
+            raise ValueError(f"{where}: feature {key!r}: inverse index {int(row[bad][0])} is "
+                             f"out of range for its {stride} bags")  # fmt: skip
 
 
 # ------------------------------------------------------------------ internals

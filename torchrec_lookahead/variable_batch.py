@@ -1,4 +1,4 @@
-"""Deduplicated (variable-batch) ``KeyedJaggedTensor``s: checking them, looking them up, expanding.
+"""Deduplicated (variable-batch) ``KeyedJaggedTensor`` batches: looking them up, expanding them.
 
 In TorchRec's deduplicated form (RecD) a key's stride is its number of
 distinct bags, which may be smaller than the batch, and ``inverse_indices``
@@ -14,9 +14,8 @@ sharded collection does it after the output all-to-all.
 On the CPU, where every feature has the same width, both expand with :func:`gather_bags`
 instead of FBGEMM's per-feature select ops: one ``index_select`` whose
 backward sums each bag's duplicates in sample order, as FBGEMM's CPU ops do
-(bitwise the same, tested), in a third of the time or less on the CPU
-(2048 samples, 26 features of 16, forward and backward: 0.9 ms against
-2.3-6.6 ms, ``benchmarks/dedup.py``).
+(bitwise the same, tested), in a fraction of their time (``benchmarks/dedup.py``;
+figures in ``docs/guides/dedup.md``).
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = [
     "VARIABLE_BATCH_OPTIMIZERS",
-    "check_variable_batch",
     "check_variable_batch_optimizer",
     "expand_pooled",
     "gather_bags",
@@ -46,47 +44,6 @@ VARIABLE_BATCH_OPTIMIZERS = frozenset({
     EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD, EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
     EmbOptimType.NONE,
 })  # fmt: skip
-
-
-def check_variable_batch(features: KeyedJaggedTensor, where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` if a deduplicated batch does not add up.
-
-    Checks, before anything reads the batch: one stride per key, strides that
-    sum to the number of bags (lengths), inverse indices given for every key,
-    one row of equal length per key, and each within its key's stride.
-    Batches of one stride pass untouched.
-    """
-    if not features.variable_stride_per_key():
-        return
-    keys = features.keys()
-    per_rank = features.stride_per_key_per_rank()
-    if len(per_rank) != len(keys) or any(len(r) != 1 for r in per_rank):
-        raise ValueError(f"{where}: a deduplicated batch needs one stride per key, got "
-                         f"{per_rank} for keys {keys}")  # fmt: skip
-    strides = [r[0] for r in per_rank]
-    bags = features.lengths().numel()
-    if sum(strides) != bags:
-        raise ValueError(f"{where}: the strides {strides} add up to {sum(strides)} bags but the "
-                         f"batch has {bags} lengths")  # fmt: skip
-    inverse = features.inverse_indices_or_none()
-    if inverse is None:
-        raise ValueError(f"{where}: a deduplicated batch (strides {strides}) needs "
-                         "inverse_indices, the bag of each sample")  # fmt: skip
-    names, indices = inverse
-    missing = [k for k in keys if k not in names]
-    if missing:
-        raise ValueError(f"{where}: inverse_indices has no row for features {missing}")
-    if indices.dim() != 2 or indices.shape[0] != len(names) or indices.is_floating_point():
-        raise ValueError(f"{where}: inverse_indices must be an integer tensor [keys, batch] "
-                         f"= [{len(names)}, batch], got {tuple(indices.shape)} "
-                         f"{indices.dtype}")  # fmt: skip
-    rows = indices.cpu().numpy()
-    for key, stride in zip(keys, strides):
-        row = rows[names.index(key)]
-        bad = (row < 0) | (row >= stride)
-        if bad.any():
-            raise ValueError(f"{where}: feature {key!r}: inverse index {int(row[bad][0])} is "
-                             f"out of range for its {stride} bags")  # fmt: skip
 
 
 def check_variable_batch_optimizer(
@@ -137,11 +94,10 @@ def padded_lookup(
     FBGEMM 1.8's CPU TBE pools a variable batch by padding every feature to
     the largest feature's bags with empty bags, running the fixed-batch
     kernel, and copying each (rank, feature) block out with per-element
-    tensor indexing: 60-120 ms forward for 26 features of up to 1,024 bags on
-    this project's CPU, against 1 ms for a fixed batch of 1,024. This does the
-    same padding and runs the same kernel, so the sums and the backward (the
-    padded gradient, zeros on the empty bags) are the same, with a few
-    whole-tensor ops: 0.7 ms forward, 1.6 ms with the backward.
+    tensor indexing, tens of times slower than the fixed-batch kernel. This
+    does the same padding and runs the same kernel, so the sums and the
+    backward (the padded gradient, zeros on the empty bags) are the same, with
+    a few whole-tensor ops (figures in ``docs/guides/dedup.md``).
     ``dims``: each feature's width.
     """
     bags = torch.tensor([sum(ranks) for ranks in batch_size_per_feature_per_rank])

@@ -1,6 +1,6 @@
 """Atomic checkpoints with ``torch.distributed.checkpoint``, written in the foreground or behind
 training; a checkpoint is either complete and published or never read. Tables are written
-in row chunks (:class:`~torchrec_lookahead.checkpoint.StreamingSavePlanner`), so saving and
+in row chunks (:class:`~torchrec_lookahead.store.checkpoint.StreamingSavePlanner`), so saving and
 loading a disk store's tables never needs a whole table in memory."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from iopath.common.file_io import PathManager
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.checkpoint import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future as TorchFuture
 
-from torchrec_lookahead.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
+from torchrec_lookahead._compat import Shard, ShardedTensor, sharded_tensor_from_shards
+from torchrec_lookahead.store.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
 
 PATHS = PathManager()
 
@@ -58,9 +58,7 @@ def snapshot(state: Any, into: Any = None) -> Any:
         if moved is not state:
             return moved
         shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in state.local_shards()]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, state.metadata(), process_group=state._process_group
-        )
+        return sharded_tensor_from_shards(shards, state)
     if isinstance(state, torch.Tensor):
         same = isinstance(into, torch.Tensor) and into.shape == state.shape
         if same and into.dtype == state.dtype:

@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import signal
@@ -32,11 +33,61 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def quiet_library_notices() -> None:
+    """Hide the warnings TorchRec, FBGEMM and torch print about their own internals, or
+    about calls this example makes as TorchRec's DLRM example does, which a user of the
+    example cannot act on. Only these messages, from these places: any other warning
+    still shows. (Before the imports: some are raised while TorchRec is imported.)"""
+    hide = partial(warnings.filterwarnings, "ignore")
+    # Import-time notices for FBGEMM kernels (SSD, Adam variants) not built into this
+    # FBGEMM package; the example uses only SGD and row-wise Adagrad.
+    hide(r"(?s).*Failed to import: fbgemm_gpu\.", DeprecationWarning, r"fbgemm_gpu\.")
+    # TorchRec itself imports this FBGEMM module; nothing here names it.
+    hide(r"(?s).*The Python module fbgemm_gpu\.split_table_batched_embeddings_ops is now "
+         "DEPRECATED", DeprecationWarning, r"fbgemm_gpu\.")  # fmt: skip
+    # Raised while TorchRec and FBGEMM define their modules at import; this file
+    # scripts nothing with torch.jit.
+    hide(r"`torch\.jit\.(script|interface)` is deprecated", DeprecationWarning, r"torch\.jit\.")
+    # TorchRec's public apply_optimizer_in_backward (as in TorchRec's DLRM example) forwards
+    # to torch's private _apply_optimizer_in_backward: the same call, without a stable name.
+    hide(r"This API is deprecated\. Please use Pytorch Distributed's "
+         "_apply_optimizer_in_backward", DeprecationWarning,
+         r"torchrec\.optim\.apply_optimizer_in_backward")  # fmt: skip
+    # TorchRec's planner default; it warns of misestimated dense sizes in dry runs (no
+    # tensors), but this example plans with its dense layers built and the plan is fixed
+    # (table-wise, one kernel) for both models.
+    hide(r"HeuristicalStorageReservation is known to cause issues", FutureWarning,
+         r"torchrec\.distributed\.planner\.planners")  # fmt: skip
+    # torch's DDP on the argument TorchRec's DistributedModelParallel passes it internally.
+    hide(r"`broadcast_buffers` is deprecated", FutureWarning,
+         r"torchrec\.distributed\.model_parallel")  # fmt: skip
+    logged = {
+        # The same dry-run notice as HeuristicalStorageReservation's above, once per plan.
+        "torchrec.distributed.planner.storage_reservations":
+            "There is a known issue with TorchRec's dense tensor size calculation in dry run",
+        # A Topology of world size and device type on TorchRec's default hardware figures,
+        # as TorchRec's DLRM example builds it; this TorchRec only warns ("will fail" is
+        # a future plan), and both models share the plan it gives.
+        "torchrec.distributed.planner.types":
+            "The topology was constructed directly rather than via TopologyFactory",
+        # Logged the first time anything asks whether fx is tracing: TorchRec's
+        # KeyedJaggedTensor asks at every construction. A note to torch's callers.
+        "torch.fx._symbolic_trace": "is_fx_tracing will return true for both fx.symbolic_trace",
+    }  # fmt: skip
+    for name, start in logged.items():
+        logging.getLogger(name).addFilter(lambda record, s=start: not
+                                          record.getMessage().startswith(s))  # fmt: skip
+
+
+quiet_library_notices()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -78,7 +129,7 @@ from torchrec_lookahead import (  # noqa: E402
 )
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo  # noqa: E402
 from torchrec_lookahead.data.dedup import DedupCounts  # noqa: E402
-from torchrec_lookahead.disk import anonymous_rss_bytes  # noqa: E402
+from torchrec_lookahead.store.files import anonymous_rss_bytes  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -488,7 +539,7 @@ def train_batches(args, days, rank: int, world_size: int, counts: DedupCounts, s
 
     Every rank reads the global batches and keeps its slice, so global step s
     holds the same samples at any world size: a run can continue at another
-    world size (see "Failures" in the README).
+    world size (see docs/guides/failures.md).
     """
     batches = itertools.chain.from_iterable(
         loader(days, "train", args.batch_size * world_size, 0, 1, args.num_embeddings, shuffle)
@@ -747,27 +798,57 @@ def report(args, runs: list[Run], same: bool | None, digest: str, world_size: in
     print(f"wrote {out / 'summary.json'} and {out / 'training.png'}")
 
 
+# The runs' colours and the hit rate's own (a property of the lookahead run, not a third run).
+RUN_COLOURS = {"lookahead": "tab:blue", "baseline": "tab:orange"}
+HIT_RATE_COLOUR = "tab:green"
+
+
+def step_time_ceiling(runs: list[Run]) -> float | None:
+    """The step-time axis' top in ms: the 99th percentile of every run's steps after the
+    first, plus 25%. The first step holds the window fill and the process' warm-up (often
+    10x a step) and would flatten the rest. None when no run has a step after the first."""
+    later = sorted(1000 * s for r in runs for s in r.step_s[1:])
+    if not later:
+        return None
+    return 1.25 * later[min(len(later) - 1, math.ceil(0.99 * len(later)) - 1)]
+
+
 def plot(runs: list[Run], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     look = runs[0]
     first = len(look.step_s) - len(look.hit_rate) + 1  # a resumed run plans only its own steps
-    top.plot(
-        range(first, first + len(look.hit_rate)), look.hit_rate, color="tab:orange", linewidth=1
-    )
+    dot = {"marker": "o", "markersize": 3}  # a series of one step draws no line: a dot
+    top.plot(range(first, first + len(look.hit_rate)), look.hit_rate, color=HIT_RATE_COLOUR,
+             linewidth=1, **dot if len(look.hit_rate) == 1 else {})  # fmt: skip
     top.set_ylabel("cache hit rate")
     top.set_ylim(0, 1)
     top.grid(alpha=0.3)
     for r in runs:
-        bottom.plot(
-            range(1, len(r.step_s) + 1), [1000 * s for s in r.step_s], label=r.name, linewidth=1
-        )
+        bottom.plot(range(1, len(r.step_s) + 1), [1000 * s for s in r.step_s], label=r.name,
+                    color=RUN_COLOURS.get(r.name), linewidth=1,
+                    **dot if len(r.step_s) == 1 else {})  # fmt: skip
+    ceiling = step_time_ceiling(runs)
+    if ceiling is not None and any(1000 * s > ceiling for r in runs for s in r.step_s):
+        bottom.set_ylim(0, ceiling)
+        firsts = [f"{r.name} {1000 * r.step_s[0]:,.0f} ms" for r in runs
+                  if 1000 * r.step_s[0] > ceiling]  # fmt: skip
+        later = sum(1000 * s > ceiling for r in runs for s in r.step_s[1:])
+        clipped = [f"step 1 ({', '.join(firsts)}; window fill, warm-up)"] if firsts else []
+        if later:
+            clipped.append(f"{later} later step{'s' if later > 1 else ''}")
+        bottom.set_title(f"clipped at {ceiling:.1f} ms: {', '.join(clipped)}", fontsize=8,
+                         loc="left")  # fmt: skip
+    else:
+        bottom.set_ylim(bottom=0)
     bottom.set_ylabel("step time (ms)")
     bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     bottom.grid(alpha=0.3)
     bottom.legend()
     fig.tight_layout()

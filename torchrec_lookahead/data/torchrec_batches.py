@@ -1,4 +1,4 @@
-"""Criteo-shaped synthetic data as TorchRec ``Batch``es: dense, sparse KJT and labels."""
+"""Criteo-shaped synthetic data as TorchRec ``Batch`` objects: dense, sparse KJT and labels."""
 
 from __future__ import annotations
 

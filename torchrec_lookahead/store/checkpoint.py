@@ -16,8 +16,9 @@ whole shards, so loading one still reads a shard at a time).
 
 Store files are mapped ``MADV_RANDOM`` (the window reads rows ahead), so a
 pass over a whole table would fault one page at a time; both planners ask the
-kernel for a chunk's pages before DCP touches them (:func:`~torchrec_lookahead.disk.will_need`),
-so checkpoints read and write store files in large requests.
+kernel for a chunk's pages before DCP touches them
+(:func:`~torchrec_lookahead.store.files.will_need`), so checkpoints read and
+write store files in large requests.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from torchrec_lookahead.disk import will_need
+from torchrec_lookahead.store.files import will_need
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -67,6 +68,7 @@ class StreamingSavePlanner(DefaultSavePlanner):
             return super().resolve_data(write_item)
         whole, first, rows = source
         tensor = super().resolve_data(whole)
+        assert isinstance(tensor, torch.Tensor), "only tensors are split into chunks"
         # DCP writes the chunks of a tensor one after another: this one's pages and the
         # next one's are read from a store file while this one is copied and written.
         will_need(tensor.narrow(0, first, min(2 * rows, tensor.shape[0] - first)))

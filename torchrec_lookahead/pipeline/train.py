@@ -10,22 +10,21 @@ from typing import Any
 import torch
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 
-from torchrec_lookahead.cached_tables import StepMoves, Window
-from torchrec_lookahead.checks import check_count
-from torchrec_lookahead.executor import PlanExecutor
+from torchrec_lookahead._compat import embedding_features
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.oracle import load_kernels
-from torchrec_lookahead.sharder import ShardedLookaheadEmbeddingBagCollection
-from torchrec_lookahead.stage import LookaheadStage
+from torchrec_lookahead.pipeline.executor import PlanExecutor
+from torchrec_lookahead.pipeline.stage import LookaheadStage
+from torchrec_lookahead.settings import check_count
+from torchrec_lookahead.types import LookaheadModule, StepContext, Window
 
 __all__ = ["LookaheadTrainPipeline"]
 
 
 class LookaheadTrainPipeline(TrainPipeline):
-    """Trains a model holding ``LookaheadEmbeddingBagCollection``s, one batch per ``progress``.
+    """Trains a model of ``LookaheadEmbeddingBagCollection`` modules, a batch per ``progress``.
 
-    The :class:`~torchrec_lookahead.stage.LookaheadStage` (on a background thread
+    The :class:`~torchrec_lookahead.pipeline.stage.LookaheadStage` (on a background thread
     of idle priority, or inline; see ``stage_thread`` below) reads
     batches ahead, distributes them (under ``DistributedModelParallel``) and
     plans them with every table's oracle; the trainer keeps a window of the
@@ -42,11 +41,11 @@ class LookaheadTrainPipeline(TrainPipeline):
     window, and the step's forward uses that distributed input.
 
     ``planning_workers > 1`` plans each slot pool as that many hash partitions on
-    as many threads (:class:`~torchrec_lookahead.partitioned.PartitionedOracle`):
+    as many threads (:class:`~torchrec_lookahead.oracle.partitioned.PartitionedOracle`):
     worth it only with cores to spare; plans stay exact, misses change little.
 
     ``stage_thread`` runs the stage on its own thread (``True``, the default), which
-    takes only the cycles the trainer leaves idle (see :mod:`~torchrec_lookahead.stage`),
+    takes only the cycles the trainer leaves idle (see :mod:`~torchrec_lookahead.pipeline.stage`),
     or inline on the trainer's (``False``).
 
     The first ``progress`` binds the data iterator; the stage reads it until it
@@ -79,8 +78,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._device = device
         self.lookahead = lookahead
         self.prefetch_distance = prefetch_distance
-        lookahead_types = (LookaheadEmbeddingBagCollection, ShardedLookaheadEmbeddingBagCollection)
-        self._cached = [m for m in model.modules() if isinstance(m, lookahead_types)]
+        self._cached = [m for m in model.modules() if isinstance(m, LookaheadModule)]
         if not self._cached:
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
         load_kernels()  # not on the first step's critical path
@@ -89,8 +87,7 @@ class LookaheadTrainPipeline(TrainPipeline):
             module.attach(window)
         self._stage = LookaheadStage(self._cached, _declared_features(model), device,
                                      threaded=bool(stage_thread))  # fmt: skip
-        self._window: deque[Any] = deque()  # batches entered, not yet run
-        self._moves: dict[int, StepMoves] = {}  # moves of planned steps not yet issued
+        self._window: deque[StepContext] = deque()  # batches entered, not yet run
         self._entered = 0  # batches that entered the window
         self._next_step = 0  # the step progress() runs next
         self._issued = 0  # steps whose moves went to the executor
@@ -168,15 +165,15 @@ class LookaheadTrainPipeline(TrainPipeline):
         step = self._next_step
         self._issue(through=step + self.prefetch_distance)
         self.timings["wait_s"] += self._executor.wait(step)
-        batch = self._window.popleft()
+        context = self._window.popleft()
         self._next_step += 1
 
         start = time.perf_counter()
         for module in self._cached:
-            module.begin_step(step)
+            module.begin_step(context)
         if self._model.training:
             self._optimizer.zero_grad()
-        losses, output = self._model(batch)
+        losses, output = self._model(context.batch)
         if self._model.training:
             torch.sum(losses, dim=0).backward()
             self._optimizer.step()
@@ -193,13 +190,17 @@ class LookaheadTrainPipeline(TrainPipeline):
                 item = self._stage.get()
                 if item.error is not None:
                     raise item.error
-                for step, moves in item.planned:
-                    self._moves.setdefault(step, []).extend(moves)
+                if item.context is not None:
+                    self._window.append(item.context)
+                    self._entered += 1
+                for planned in item.planned:  # the plans of steps still in the window
+                    context = self._window[planned.step - self._next_step]
+                    if context.planned is None:
+                        context.planned = planned
+                    else:
+                        context.planned.merge(planned)
                 if item.end:
                     self._data_done = True
-                else:
-                    self._window.append(item.batch)
-                    self._entered += 1
         finally:
             self.timings["stage_s"] += time.perf_counter() - start
 
@@ -211,7 +212,8 @@ class LookaheadTrainPipeline(TrainPipeline):
         """
         planned = self._entered if self._data_done else self._entered - self.lookahead
         while self._issued <= min(through, planned - 1):
-            self._executor.submit(self._issued, self._moves.pop(self._issued, []))
+            context = self._window[self._issued - self._next_step]
+            self._executor.submit(self._issued, context.planned.moves if context.planned else [])
             self._issued += 1
 
 
@@ -220,14 +222,6 @@ def _declared_features(model: torch.nn.Module) -> dict[str, bool]:
     whether that module is weighted (its features need weights)."""
     features: dict[str, bool] = {}
     for module in model.modules():
-        for getter in ("embedding_bag_configs", "embedding_configs"):
-            configs = getattr(module, getter, None) or getattr(module, f"_{getter}", None)
-            if callable(configs):
-                configs = configs()
-            weighted = getattr(module, "is_weighted", None) or getattr(module, "_is_weighted", 0)
-            if callable(weighted):
-                weighted = weighted()
-            for config in configs or []:
-                for feature in config.feature_names:
-                    features[feature] = features.get(feature, False) or bool(weighted)
+        for feature, weighted in (embedding_features(module) or {}).items():
+            features[feature] = features.get(feature, False) or weighted
     return features

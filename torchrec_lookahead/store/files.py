@@ -288,8 +288,9 @@ class StoreFiles:
 def will_need(tensor: torch.Tensor) -> None:
     """Start reading the pages under ``tensor`` now, in large requests. Store mappings are
     ``MADV_RANDOM`` (the window reads rows ahead), so a sequential pass over one (a
-    checkpoint) would otherwise read one page per fault: 1 GiB in 10 s here, 0.4 s
-    advised. Advice only: on memory that is no file's it does nothing."""
+    checkpoint) would otherwise read one page per fault, many times slower (see
+    ``docs/guides/disk-store.md``). Advice only: on memory that is no file's it
+    does nothing."""
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return
     span = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride())) + 1

@@ -7,11 +7,11 @@ will be. Its policy is Belady's within the visible window: evict only when a
 slot is needed, first rows with no use in the window, then the row whose next
 use is farthest; remaining ties go to the row with fewer uses so far (the
 ``"frequency"`` tie-break, or skip that with ``"recency"``), then the least
-recently used, then the smaller id. Rules and timing are in ``DESIGN.md``
-section 4.
+recently used, then the smaller id. Rules and timing: ``docs/design.md``, "The
+oracle's contract".
 
 How it stays fast: the per-step work runs in three compiled passes
-(:mod:`torchrec_lookahead.oracle_kernels`, numba, GIL released), one call
+(:mod:`torchrec_lookahead.oracle.kernels`, numba, GIL released), one call
 each per ``prepare``, batch entry and plan, and nothing sorts a batch:
 
 * Deduplication by scatter: every table row remembers the stream position of
@@ -37,15 +37,14 @@ refused before any state changes, so the caller may handle the error and go on.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from torchrec_lookahead.oracle_kernels import (
+from torchrec_lookahead.oracle.kernels import (
     RESIDENT,
     ROW,
     SLOT,
@@ -53,12 +52,11 @@ from torchrec_lookahead.oracle_kernels import (
     enter_batch,
     prepare_batch,
 )
-from torchrec_lookahead.slots import grow_rings, grow_rows, new_state
+from torchrec_lookahead.oracle.slots import grow_rings, grow_rows, new_state
+from torchrec_lookahead.types import CachePlan, CachePlanner
 
 __all__ = [
     "TIE_BREAKS",
-    "CachePlan",
-    "CachePlanner",
     "OracleCacher",
     "PreparedBatch",
     "as_id_array",
@@ -69,26 +67,6 @@ __all__ = [
 
 TIE_BREAKS = ("frequency", "recency")
 _EMPTY = np.empty(0, dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class CachePlan:
-    """What to do to the cache before step ``step`` runs.
-
-    Apply ``evict`` (write back cache -> store) first, then ``fetch``
-    (store -> cache). ``slots[i]`` is the cache slot of the batch's ``i``-th id.
-    """
-
-    step: int
-    slots: np.ndarray
-    evict_ids: np.ndarray
-    evict_slots: np.ndarray
-    fetch_ids: np.ndarray
-    fetch_slots: np.ndarray
-
-    @property
-    def num_misses(self) -> int:
-        return len(self.fetch_ids)
 
 
 @dataclass(frozen=True)
@@ -161,28 +139,6 @@ def check_range(ids: np.ndarray, where: str, num_rows: int | None) -> None:
         )
 
 
-class CachePlanner(ABC):
-    """What every planner offers: batches in with ``push``, plans out in step order."""
-
-    @abstractmethod
-    def push(self, batch: Any) -> CachePlan | None: ...
-
-    @abstractmethod
-    def finish(self) -> list[CachePlan]: ...
-
-    @abstractmethod
-    def absent(self, prepared: Any) -> np.ndarray:
-        """The distinct ids of a prepared batch not resident now: what its step may fetch."""
-
-    def plan(self, batches: Iterable[Any]) -> Iterator[CachePlan]:
-        """Plans for a stream of batches, in step order, with the end drained."""
-        for batch in batches:
-            ready = self.push(batch)
-            if ready is not None:
-                yield ready
-        yield from self.finish()
-
-
 class OracleCacher(CachePlanner):
     """Windowed-Belady cache planner for one table.
 
@@ -237,9 +193,11 @@ class OracleCacher(CachePlanner):
         self.tie_break = tie_break
 
         self._frequency = tie_break == "frequency"
-        if row_table is not None and num_rows is None:
-            raise ValueError("a row_table needs num_rows")
-        rows = row_table(num_rows) if row_table is not None else None
+        rows = None
+        if row_table is not None:
+            if num_rows is None:
+                raise ValueError("a row_table needs num_rows")
+            rows = row_table(num_rows)
         self._state = new_state(capacity, num_rows or 0, rows)
         self._window: deque[_WindowBatch] = deque()  # entered, some already planned
         self._head = 0  # stream position of the next distinct id to enter
@@ -417,7 +375,7 @@ def load_kernels() -> None:
     """Load the compiled planning kernels now rather than at the first batch.
 
     numba loads them from its on-disk cache (or compiles them, the first time
-    on a machine) when they are first called: about 0.3 s here, which would
+    on a machine) when they are first called, a fraction of a second that would
     otherwise land on the first training step. Planning a few tiny batches,
     evictions included, calls every kernel with the types training uses.
     """

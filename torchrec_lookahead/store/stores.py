@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from torchrec_lookahead.disk import StoreFiles
-from torchrec_lookahead.oracle_kernels import ROW_FIELDS
+from torchrec_lookahead.oracle.kernels import ROW_FIELDS
+from torchrec_lookahead.store.files import StoreFiles
 
 __all__ = ["ORACLE_ROW_BYTES", "HostStore", "MmapStore"]
 
@@ -83,8 +84,9 @@ class HostStore:
         back a 26-table cache).
         """
         columns = zip(*([self.weights[t], *self.states[t]] for t in tables))
-        joined = [_back_to_back(list(tensors)) for tensors in columns]
-        if any(j is None for j in joined):
+        found = [_back_to_back(list(tensors)) for tensors in columns]
+        joined = [tensor for tensor in found if tensor is not None]
+        if len(joined) < len(found):
             return None
         return HostStore(joined[:1], self._pin, [joined[1:]])
 
@@ -111,14 +113,16 @@ def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
             return None
         end += tensor.numel() * tensor.element_size()
     rows = sum(len(t) for t in tensors)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
-                                   (rows, *first.shape[1:]))  # fmt: skip
+    shape = (rows, *first.shape[1:])
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]  # contiguous
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape,
+                                   strides)  # fmt: skip
 
 
 class MmapStore(HostStore):
     """Every row of every table, with its optimizer state, in files on disk, mapped.
 
-    The weight (and state) tensors are views of :class:`~torchrec_lookahead.disk.StoreFiles`
+    The weight (and state) tensors are views of :class:`~torchrec_lookahead.store.files.StoreFiles`
     tensors: the module's parameters under the unsharded module, the store
     TBE's buffers under DMP. Gathers and scatters are those of
     :class:`HostStore` on the mappings; the kernel pages rows in and writes

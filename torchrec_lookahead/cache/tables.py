@@ -3,19 +3,18 @@
 The unsharded ``LookaheadEmbeddingBagCollection`` owns one group; under
 ``DistributedModelParallel`` each lookahead kernel (one per grouped shard
 config on a rank) owns one. The lookahead stage drives every group the same
-way: ``prepare`` a batch's features, ``enter`` them, hand the returned moves
-to the executor, ``begin_step`` before the step's forward, which calls
-``lookup``. Tables of equal row width share a slot pool and one oracle
-(:mod:`~torchrec_lookahead.pools`), so planning costs one oracle call per
-pool and step whatever the number of tables.
+way: ``prepare`` a batch's features, ``enter`` them (a step's plan comes back
+as a :class:`~torchrec_lookahead.types.PlannedStep`: its moves for the
+executor, its slots for the lookups), ``begin_step`` with the step's slots
+before the step's forward, which calls ``lookup``. Tables of equal row width
+share a slot pool and one oracle (:mod:`~torchrec_lookahead.cache.pools`), so
+planning costs one oracle call per pool and step whatever the number of tables.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -25,78 +24,25 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.cache import CacheTable
-from torchrec_lookahead.checks import check_count, check_feature_ids, check_fraction
+from torchrec_lookahead.cache.pools import slot_pools
+from torchrec_lookahead.cache.table import CacheTable
+from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.oracle import CachePlan, CachePlanner, OracleCacher
-from torchrec_lookahead.partitioned import PartitionedOracle
-from torchrec_lookahead.pools import slot_pools
-from torchrec_lookahead.store import HostStore
+from torchrec_lookahead.oracle import OracleCacher, PartitionedOracle
+from torchrec_lookahead.store.stores import HostStore
+from torchrec_lookahead.types import (
+    CachePlan,
+    CachePlanner,
+    PlannedStep,
+    PreparedStep,
+    StepMoves,
+    Window,
+)
 from torchrec_lookahead.variable_batch import check_variable_batch_optimizer
 
-__all__ = ["CacheSizing", "CachedTables", "PreparedStep", "StepMoves", "Window"]
+__all__ = ["CachedTables"]
 
 logger = logging.getLogger(__name__)
-
-StepMoves = list[partial]  # the row moves of one step, run by the executor
-
-
-@dataclass(frozen=True)
-class CacheSizing:
-    """How many cache slots a table (or a shard of it) brings to its pool.
-
-    ``cache_rows[name]`` (slots for the whole table) wins over
-    ``cache_load_factor`` (a share of the rows); a sharding plan's per-table
-    load factor wins over both. A shard gets its share of the table's slots,
-    and never fewer than ``min_rows`` (nor more than it has rows). When the
-    first batch shows that a table's share is smaller than what the window
-    touches, the table brings that instead (see :meth:`CachedTables.prepare`).
-    """
-
-    cache_load_factor: float = 0.1
-    cache_rows: Mapping[str, int] = field(default_factory=dict)
-    min_rows: int = 1
-
-    def __post_init__(self) -> None:  # the settings' names as the module takes them
-        check_fraction("cache_load_factor", self.cache_load_factor)
-        for name, rows in self.cache_rows.items():
-            check_count(f"cache_rows[{name!r}]", rows, 1)
-        check_count("min_cache_rows", self.min_rows, 1)
-
-    def rows(
-        self, name: str, num_embeddings: int, local_rows: int, plan_load_factor: float | None = None
-    ) -> int:
-        if plan_load_factor is not None:
-            wanted = math.ceil(plan_load_factor * local_rows)
-        elif name in self.cache_rows:
-            wanted = math.ceil(self.cache_rows[name] * local_rows / num_embeddings)
-        else:
-            wanted = math.ceil(self.cache_load_factor * local_rows)
-        return min(local_rows, max(self.min_rows, wanted, 1))
-
-
-@dataclass(frozen=True)
-class Window:
-    """The pipeline's window: ``lookahead`` (L), ``prefetch_distance`` (d), and how many
-    hash partitions (threads) plan each pool (see :mod:`~torchrec_lookahead.partitioned`)."""
-
-    lookahead: int
-    prefetch_distance: int
-    planning_workers: int = 1
-
-
-@dataclass(frozen=True)
-class PreparedStep:
-    """A batch checked by :meth:`CachedTables.prepare`, ready to ``enter``."""
-
-    step: int
-    lookups: np.ndarray  # ids per table
-    batches: list[Any]  # per pool: what its planner's prepare returned
-    positions: list[slice | np.ndarray] | None  # per pool, where its ids sit (None: 1 pool)
-    # A window's first batch: the slots per table sized for it and the pools' planners,
-    # installed when the batch enters (a refused batch leaves the sizing as it was).
-    sizing: tuple[list[int], list[CachePlanner]] | None = None
-
 
 class CachedTables:
     """Tables whose rows are cached together in one :class:`CacheTable`.
@@ -105,7 +51,7 @@ class CachedTables:
         names: table names (for metrics), in the group's table order.
         num_rows: rows of each table (of the shard, under sharding).
         dims: row width of each table; tables of equal width share a pool
-            (where the optimizer allows, see :mod:`~torchrec_lookahead.pools`).
+            (where the optimizer allows, see :mod:`~torchrec_lookahead.cache.pools`).
         feature_tables: the table of each feature, in lookup order; a table's
             features are consecutive.
         table_slots: the slots each table brings to its pool.
@@ -154,7 +100,6 @@ class CachedTables:
         self._oracles: list[CachePlanner] | None = None  # built at the window's first batch
         self._entered = 0
         self._positions: dict[int, list[slice | np.ndarray] | None] = {}  # PreparedStep.positions
-        self._slots: dict[int, torch.Tensor] = {}  # step -> slots of that step's ids
         self._running: torch.Tensor | None = None  # slots of the step being run
         self._dirty = False  # cache rows updated since the last write-back
         self._logged: set[str] = set()
@@ -189,7 +134,6 @@ class CachedTables:
         self._oracles = None
         self._entered = 0
         self._positions.clear()
-        self._slots.clear()
         self._running = None
         self.step_counts.clear()
 
@@ -225,7 +169,7 @@ class CachedTables:
         batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
         return PreparedStep(step, lookups, batches, positions, sizing)
 
-    def enter(self, prepared: PreparedStep) -> tuple[int, StepMoves] | None:
+    def enter(self, prepared: PreparedStep) -> PlannedStep | None:
         """A prepared batch enters the window; returns the moves of a step now planned."""
         if prepared.step != self._entered:
             raise ValueError(f"a batch prepared for step {prepared.step} cannot enter at "
@@ -243,17 +187,19 @@ class CachedTables:
         self._entered += 1
         if self.cache.store.reads_ahead:
             self._read_ahead(prepared)
-        plans = [oracle.push(batch) for oracle, batch in zip(self._oracles, prepared.batches)]
+        plans = [oracle.push(batch) for oracle, batch in zip(self._planners, prepared.batches)]
         return self._planned(plans)
 
-    def finish(self) -> list[tuple[int, StepMoves]]:
+    def finish(self) -> list[PlannedStep]:
         """End of the data: the steps still to plan, with shorter windows."""
         remaining = [oracle.finish() for oracle in self._oracles or []]
         return [planned for step in zip(*remaining) if (planned := self._planned(list(step)))]
 
-    def begin_step(self, step: int) -> None:
-        """The next ``lookup`` runs step ``step``."""
-        self._running = self._slots.pop(step)
+    def begin_step(self, planned: PlannedStep | None) -> None:
+        """The next ``lookup`` runs ``planned``'s step, reading its slots of this group."""
+        if planned is None or self not in planned.slots:
+            raise RuntimeError("a step runs before its plan was made: the window is broken")
+        self._running = planned.slots[self]
 
     @property
     def step_running(self) -> bool:
@@ -285,6 +231,12 @@ class CachedTables:
             self._dirty = False
 
     # ------------------------------------------------------------ internals
+
+    @property
+    def _planners(self) -> list[CachePlanner]:
+        """The pools' planners (made at a window's first batch, so only then)."""
+        assert self._oracles is not None, "no batch has entered the window"
+        return self._oracles
 
     def _pool_slots(self, table_slots: Sequence[int]) -> list[int]:
         return [sum(table_slots[t] for t in pool.tables) for pool in self.pools]
@@ -322,7 +274,7 @@ class CachedTables:
         window; a row evicted before its step comes is read again on demand.
         """
         rows = [(table, ids)
-                for pool, oracle, batch in zip(self.pools, self._oracles, prepared.batches)
+                for pool, oracle, batch in zip(self.pools, self._planners, prepared.batches)
                 for table, ids, _ in pool.by_table(oracle.absent(batch))]  # fmt: skip
         self.cache.store.read_ahead(rows)
 
@@ -338,32 +290,33 @@ class CachedTables:
                                  partitions=min(w.planning_workers, slots),
                                  row_table=row_table)  # fmt: skip
 
-    def _planned(self, plans: list[CachePlan | None]) -> tuple[int, StepMoves] | None:
-        if not plans or plans[0] is None:
+    def _planned(self, plans: list[CachePlan | None]) -> PlannedStep | None:
+        ready = [plan for plan in plans if plan is not None]  # the pools plan in lockstep
+        if not ready:
             return None
-        step = plans[0].step
+        step = ready[0].step
         positions = self._positions.pop(step)
         if positions is None:
-            slots = plans[0].slots
+            slots = ready[0].slots
         else:
-            slots = np.empty(sum(len(plan.slots) for plan in plans), dtype=np.int64)
-            for where, plan in zip(positions, plans):
+            slots = np.empty(sum(len(plan.slots) for plan in ready), dtype=np.int64)
+            for where, plan in zip(positions, ready):
                 slots[where] = plan.slots
-        self._slots[step] = torch.from_numpy(slots).to(self.cache.device)
+        step_slots = torch.from_numpy(slots).to(self.cache.device)
         order = self._table_order
         fetched = np.concatenate([pool.table_counts(plan.fetch_ids)
-                                  for pool, plan in zip(self.pools, plans)])[order]  # fmt: skip
+                                  for pool, plan in zip(self.pools, ready)])[order]  # fmt: skip
         evicted = np.concatenate([pool.table_counts(plan.evict_ids)
-                                  for pool, plan in zip(self.pools, plans)])[order]  # fmt: skip
+                                  for pool, plan in zip(self.pools, ready)])[order]  # fmt: skip
         self.step_counts[step][1][:] = fetched
         self._counts["misses"] += fetched
         self._counts["rows_fetched"] += fetched
         self._counts["rows_written_back"] += evicted
         self._counts["bytes_moved"] += (fetched + evicted) * self._row_bytes
-        moves = [partial(self.cache.apply, p, plan) for p, plan in enumerate(plans)
-                 if len(plan.fetch_ids) or len(plan.evict_ids)]  # fmt: skip
+        moves: StepMoves = [partial(self.cache.apply, p, plan) for p, plan in enumerate(ready)
+                            if len(plan.fetch_ids) or len(plan.evict_ids)]  # fmt: skip
         self._steps += 1
-        return step, moves
+        return PlannedStep(step, moves, {self: step_slots})
 
 
 _COUNTERS = ("lookups", "unique_ids", "misses", "rows_fetched", "rows_written_back", "bytes_moved")

@@ -12,19 +12,18 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.distributed.utils import merge_fused_params, optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    get_embedding_names_by_table,
+)
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_lookahead.cached_tables import (
-    CachedTables,
-    CacheSizing,
-    PreparedStep,
-    StepMoves,
-    Window,
-)
-from torchrec_lookahead.disk import StoreFiles
+from torchrec_lookahead._compat import in_backward_optimizers
+from torchrec_lookahead.cache.tables import CachedTables
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.store import HostStore, MmapStore
+from torchrec_lookahead.store.files import StoreFiles
+from torchrec_lookahead.store.stores import HostStore, MmapStore
+from torchrec_lookahead.types import CacheSizing, PlannedStep, StepContext, StepInput, Window
 from torchrec_lookahead.variable_batch import (
     expand_pooled,
     keep_inverse_indices,
@@ -73,7 +72,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         min_cache_rows: no table (or shard) gets fewer slots, unless it has
             fewer rows: e.g. what a window can touch, ``(d + 1) x batch`` ids.
         store_dir: keep the full tables and their optimizer state in files in
-            this existing directory (:class:`~torchrec_lookahead.store.MmapStore`)
+            this existing directory (:class:`~torchrec_lookahead.store.stores.MmapStore`)
             instead of host memory, for tables larger than RAM. The module's
             parameters are then mappings of those files, initialised with the
             values ``EmbeddingBagCollection`` gives on the CPU for the same
@@ -108,14 +107,18 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             files = StoreFiles(self.store_dir)  # checks the directory before anything is built
             host = torch.device("meta")
         super().__init__(tables=tables, is_weighted=is_weighted, device=host)
-        self._device = compute
+        self._compute_device = compute
         self._store_files = files
         self.sizing = sizing
         self._fused_params = dict(fused_params or {})
         self._pooling = _POOLING[poolings.pop()]
-        self._flat_features = [f for names in self._feature_names for f in names]
-        self._feature_tables = [t for t, names in enumerate(self._feature_names) for _ in names]
+        self._flat_features = [f for t in tables for f in t.feature_names]
+        self._feature_tables = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        # The output's keys and widths, as EmbeddingBagCollection lays them out.
+        self._output_keys = [k for names in get_embedding_names_by_table(tables) for k in names]
+        self._output_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         self._cached: CachedTables | None = None  # built at the first attach
+        self.input_dist_s = 0.0  # an unsharded module distributes nothing
         if files is not None:
             try:
                 self._map_weights(files)
@@ -126,11 +129,17 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
 
     # ------------------------------------------------------------ settings
 
+    @property
+    def device(self) -> torch.device:
+        """Where the cache and the lookups live (the full tables stay on the host, where
+        ``EmbeddingBagCollection`` builds and initialises them: its ``device`` until then)."""
+        return self.__dict__.get("_compute_device") or super().device
+
     def cache_rows(self) -> list[int]:
         """The slots each table brings to its pool (before any raise at the first batch)."""
         return [
             self.sizing.rows(t.name, t.num_embeddings, t.num_embeddings)
-            for t in self._embedding_bag_configs
+            for t in self.embedding_bag_configs()
         ]
 
     @property
@@ -145,19 +154,15 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
 
     def fused_config(self) -> dict[str, Any]:
         """The TBE settings: ``fused_params`` merged with the in-backward optimizer."""
-        weights = [bag.weight for bag in self.embedding_bags.values()]
-        configured = {
-            (tuple(getattr(w, "_optimizer_classes", [])), repr(getattr(w, "_optimizer_kwargs", [])))
-            for w in weights
-        }
-        if len(configured) > 1:
+        configured = [in_backward_optimizers(bag.weight) for bag in self.embedding_bags.values()]
+        if len({(tuple(c), repr(k)) for c, k in configured}) > 1:
             raise ValueError("every table of one module must have the same fused optimizer")
         params = dict(self._fused_params)
-        classes = getattr(weights[0], "_optimizer_classes", [])
+        classes, kwargs_list = configured[0]
         if classes:
             if len(classes) != 1:
                 raise ValueError(f"one optimizer per table is supported, got {classes}")
-            kwargs = dict(weights[0]._optimizer_kwargs[0])
+            kwargs = dict(kwargs_list[0])
             kwargs.setdefault("optimizer", optimizer_type_to_emb_opt_type(classes[0]))
             params = merge_fused_params(params, kwargs)
         if "optimizer" not in params:
@@ -173,7 +178,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def metrics(self) -> list[CacheMetrics]:
         """Per-table counters (zero until training starts)."""
         if self._cached is None:
-            return [CacheMetrics() for _ in self._embedding_bag_configs]
+            return [CacheMetrics() for _ in self.embedding_bag_configs()]
         return self._cached.metrics
 
     @property
@@ -183,11 +188,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
 
     def cache_metrics(self) -> dict[str, CacheMetrics]:
         """Counters per table name."""
-        return {t.name: m for t, m in zip(self._embedding_bag_configs, self.metrics)}
+        return {t.name: m for t, m in zip(self.embedding_bag_configs(), self.metrics)}
 
     def attach(self, window: Window) -> None:
         """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""
-        if self._device.type == "meta":
+        if self._compute_device.type == "meta":
             raise ValueError("a module on the meta device must be sharded (DMP) before training")
         if self._cached is None:
             self._cached = self._build_cache()
@@ -208,7 +213,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
 
     def prepare(
         self, features: KeyedJaggedTensor, refusal: ValueError | None = None
-    ) -> PreparedStep:
+    ) -> StepInput:
         """Check a batch for every table without changing anything (see ``CachedTables``).
 
         ``refusal`` is the stage's verdict on the batch as a whole (its structure,
@@ -216,24 +221,30 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         """
         if refusal is not None:
             raise refusal
-        return self._cached.prepare(self.select(features))
+        return StepInput([self._attached.prepare(self.select(features))])
 
-    def enter(self, prepared: PreparedStep) -> tuple[int, StepMoves] | None:
-        """A prepared batch enters the window; returns the moves of a step now planned."""
-        return self._cached.enter(prepared)
+    def enter(self, prepared: StepInput) -> PlannedStep | None:
+        """A prepared batch enters the window; returns the plan of a step now complete."""
+        return self._attached.enter(prepared.groups[0])
 
-    def finish(self) -> list[tuple[int, StepMoves]]:
+    def finish(self) -> list[PlannedStep]:
         """End of the data: the steps still to plan, with shorter windows."""
-        return self._cached.finish()
+        return self._attached.finish()
 
-    def begin_step(self, step: int) -> None:
-        """The next forward runs step ``step``."""
-        self._cached.begin_step(step)
+    def begin_step(self, context: StepContext) -> None:
+        """The next forward runs ``context``'s step."""
+        self._attached.begin_step(context.planned)
 
     def write_back(self) -> None:
         """Write updated cache rows back to the store (the rows stay cached)."""
         if self._cached is not None:
             self._cached.write_back()
+
+    @property
+    def _attached(self) -> CachedTables:
+        if self._cached is None:
+            raise RuntimeError("the module trains through a LookaheadTrainPipeline (attach first)")
+        return self._cached
 
     # -------------------------------------------------------------- module
 
@@ -249,18 +260,18 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             return KeyedTensor(
                 keys=pooled.keys(),
                 length_per_key=pooled.length_per_key(),
-                values=pooled.values().to(self._device),
+                values=pooled.values().to(self._compute_device),
             )
         features = self.select(features)
         pooled = self._cached.lookup(
-            features.offsets().to(self._device),
+            features.offsets().to(self._compute_device),
             features.values().numel(),
-            features.weights().to(self._device) if self._is_weighted else None,
+            features.weights().to(self._compute_device) if self.is_weighted() else None,
             **tbe_batch_sizes(features),
         )
-        pooled = expand_pooled(pooled, features, self._lengths_per_embedding)
+        pooled = expand_pooled(pooled, features, self._output_dims)
         return KeyedTensor(
-            keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled
+            keys=self._output_keys, length_per_key=self._output_dims, values=pooled
         )
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -277,17 +288,18 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def _build_cache(self) -> CachedTables:
         params = self.fused_config()
         optimizer = params.pop("optimizer")
-        on_cuda = self._device.type == "cuda"
+        on_cuda = self._compute_device.type == "cuda"
         if on_cuda:
             for bag in self.embedding_bags.values():
                 bag.weight.data = bag.weight.data.pin_memory()
         weights = [bag.weight for bag in self.embedding_bags.values()]
+        store: HostStore
         if self._store_files is not None:
-            names = [t.name for t in self._embedding_bag_configs]
+            names = [t.name for t in self.embedding_bag_configs()]
             store = MmapStore(self._store_files, names, weights)
         else:
             store = HostStore(weights, pin=on_cuda)
-        configs = self._embedding_bag_configs
+        configs = self.embedding_bag_configs()
         cached = CachedTables(
             [t.name for t in configs],
             [t.num_embeddings for t in configs],
@@ -296,7 +308,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             self.cache_rows(),
             store,
             optimizer,
-            self._device,
+            self._compute_device,
             self._pooling,
             params,
         )
@@ -311,7 +323,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         chunks into a small buffer and dropped (same generator state, no table
         in RAM); the ``init_fn`` then writes the mapped weights in place.
         """
-        configs = self._embedding_bag_configs
+        configs = self.embedding_bag_configs()
         files.check_space(sum(4 * c.num_embeddings * c.embedding_dim for c in configs),
                           "the tables")  # fmt: skip
         for config in configs:

@@ -11,7 +11,7 @@ of the whole batch and writes its slots straight into the batch's, so the
 merged plan is in batch order with no gather; evictions and fetches are
 concatenated partition by partition.
 
-A partition owns its slots, so the contract of DESIGN.md section 4 holds per
+A partition owns its slots, so the oracle's contract (docs/design.md) holds per
 partition: in particular a partition evicts for its own misses when its own
 slots are full, even if another partition still has free slots (only while
 the cache fills up). With ``K=1`` the class is a bare ``OracleCacher``.
@@ -24,21 +24,16 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
-from torchrec_lookahead.oracle import (
-    CachePlan,
-    CachePlanner,
-    OracleCacher,
-    PreparedBatch,
-    as_int64,
-)
-from torchrec_lookahead.oracle_kernels import global_ids, place
+from torchrec_lookahead.oracle.cacher import OracleCacher, PreparedBatch, as_int64
+from torchrec_lookahead.oracle.kernels import global_ids, place
+from torchrec_lookahead.types import CachePlan, CachePlanner
 
 __all__ = ["PartitionedBatch", "PartitionedOracle"]
 
@@ -164,6 +159,7 @@ class PartitionedOracle(CachePlanner):
         if self.partitions == 1:
             return self._parts[0].push(batch)
         prepared = batch if isinstance(batch, PartitionedBatch) else self.prepare(batch)
+        assert isinstance(prepared, PartitionedBatch)  # with more than one partition
         if prepared.owner is not self or prepared.step != self.steps_pushed:
             raise ValueError(
                 f"a batch prepared for step {prepared.step} cannot enter at step "
@@ -198,7 +194,7 @@ class PartitionedOracle(CachePlanner):
         return [first, *(f.result() for f in futures)]
 
     def _plan(
-        self, due: list[PartitionedBatch], work: Callable[[int], list[CachePlan | None]]
+        self, due: list[PartitionedBatch], work: Callable[[int], Sequence[CachePlan | None]]
     ) -> list[CachePlan]:
         """Plans of the ``due`` batches: ``work(p)`` gives partition ``p``'s, on its thread,
         which also writes its slots into the batch's; then the plans are merged."""

@@ -17,8 +17,8 @@ Move = Callable[[], None]
 class PlanExecutor:
     """Runs each step's row moves in order, in one background thread.
 
-    The trainer ``submit``s the moves of step ``s`` at its issue point (the
-    start of step ``s - d``) and ``wait``s for them before step ``s`` runs. On
+    The trainer calls ``submit`` with the moves of step ``s`` at its issue point
+    (the start of step ``s - d``) and ``wait`` for them before step ``s`` runs. On
     CUDA the moves run on a side stream that first waits for the trainer's
     stream to reach the issue point, and step ``s`` waits for an event
     recorded after its moves; on CPU the trainer's thread is the only ordering
@@ -28,8 +28,10 @@ class PlanExecutor:
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._jobs: queue.Queue[tuple[int, list[Move], object] | None] = queue.Queue()
-        self._done: dict[int, object] = {}  # step -> event (CUDA) or None
+        self._jobs: queue.Queue[tuple[int, list[Move], torch.cuda.Event | None] | None] = (
+            queue.Queue()
+        )
+        self._done: dict[int, torch.cuda.Event | None] = {}  # step -> event (CUDA) or None
         self._applied = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lookahead-executor", daemon=True)
@@ -37,7 +39,7 @@ class PlanExecutor:
 
     def submit(self, step: int, moves: list[Move]) -> None:
         """Queue the moves of ``step``; call at its issue point, in step order."""
-        issue = None
+        issue: torch.cuda.Event | None = None
         if self._cuda:
             issue = torch.cuda.Event()
             issue.record()  # the trainer's stream has reached the issue point
@@ -70,11 +72,11 @@ class PlanExecutor:
             step, moves, issue = job
             try:
                 with torch.cuda.stream(self._stream):
-                    if issue is not None:
+                    if issue is not None and self._stream is not None:
                         self._stream.wait_event(issue)
                     for move in moves:
                         move()
-                    landed = None
+                    landed: torch.cuda.Event | None = None
                     if self._stream is not None:
                         landed = torch.cuda.Event()
                         landed.record(self._stream)

@@ -16,10 +16,9 @@ queued as that error, in its place; any other error ends the stage and is queued
 with the batch it happened at. ``close`` stops the thread, also while it
 waits on a full queue.
 
-The thread must not slow the step it hides behind. On this project's 2-core
-CPU machine, where the trainer's two OpenMP threads want both cores, a
-planning thread of normal priority made each step's compute 20-30% slower
-(and its torch ops, on an OpenMP team of their own, far more). So the thread
+The thread must not slow the step it hides behind: where the trainer's
+OpenMP threads want every core, a planning thread of normal priority slows
+each step's compute (measured in ``docs/design.md``, "Threads"). So the thread
 runs its torch ops on one intra-op thread and, on Linux, under
 ``SCHED_IDLE``: it gets a core only when the trainer leaves one idle (its
 single-threaded Python, waits), and when it falls behind, the trainer's wait
@@ -38,8 +37,9 @@ from typing import Any
 
 import torch
 
-from torchrec_lookahead.cached_tables import StepMoves
-from torchrec_lookahead.checks import check_batch, check_count
+from torchrec_lookahead.checks import check_batch
+from torchrec_lookahead.settings import check_count
+from torchrec_lookahead.types import LookaheadModule, PlannedStep, StepContext
 
 __all__ = ["LookaheadStage", "StageItem"]
 
@@ -48,8 +48,8 @@ __all__ = ["LookaheadStage", "StageItem"]
 class StageItem:
     """What the stage hands the trainer, in data order."""
 
-    batch: Any = None  # a batch that entered the window (None: see error / end)
-    planned: list[tuple[int, StepMoves]] = field(default_factory=list)  # steps planned on entry
+    context: StepContext | None = None  # a batch that entered the window (None: error / end)
+    planned: list[PlannedStep] = field(default_factory=list)  # steps planned on entry
     error: BaseException | None = None  # ValueError: the batch was refused, else the stage died
     end: bool = False  # the data ended (``planned`` holds the last steps)
 
@@ -69,7 +69,7 @@ class LookaheadStage:
 
     def __init__(
         self,
-        modules: Sequence[Any],
+        modules: Sequence[LookaheadModule],
         features: Mapping[str, bool],
         device: torch.device,
         depth: int = 4,
@@ -103,6 +103,7 @@ class LookaheadStage:
         """The next item, in data order (blocks until the thread has one)."""
         if not self.threaded:
             return self._next_item()
+        assert self._thread is not None, "start() first"
         while True:
             try:
                 return self._queue.get(timeout=1.0)
@@ -133,6 +134,7 @@ class LookaheadStage:
 
     def _next_item(self) -> StageItem:
         """Read and plan the next batch; the end of data and errors become items."""
+        assert self._iter is not None, "start() first"
         try:
             batch = next(self._iter)
         except StopIteration:
@@ -160,7 +162,7 @@ class LookaheadStage:
         distributing = self._input_dist_s()
         features = getattr(batch, "sparse_features", None)
         prepared = [module.prepare(features, refusal) for module in self._modules]  # may raise
-        item = StageItem(batch=batch)
+        item = StageItem(StepContext(self._entered, batch, dict(zip(self._modules, prepared))))
         for module, tables in zip(self._modules, prepared):
             planned = module.enter(tables)
             if planned is not None:
@@ -184,7 +186,7 @@ class LookaheadStage:
         self.timings["plan_s"] += time.thread_time() - start - distributed
 
     def _input_dist_s(self) -> float:
-        return sum(getattr(module, "input_dist_s", 0.0) for module in self._modules)
+        return sum(module.input_dist_s for module in self._modules)
 
     def _put(self, item: StageItem) -> bool:
         """Queue ``item`` unless the stage is closed; False if it was."""

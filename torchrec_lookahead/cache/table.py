@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -16,9 +15,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from torchrec_lookahead.oracle import CachePlan
-from torchrec_lookahead.pools import SlotPool
-from torchrec_lookahead.store import HostStore
+from torchrec_lookahead._compat import split_pooled_tables
+from torchrec_lookahead.cache.pools import SlotPool
+from torchrec_lookahead.store.stores import HostStore
+from torchrec_lookahead.types import CachePlan
 from torchrec_lookahead.variable_batch import padded_lookup
 
 __all__ = ["CacheTable"]
@@ -92,7 +92,7 @@ class CacheTable:
                 device=self.device,
                 **self._fbgemm_params,
             )
-            _split_pooled_tables(self.tbe, self._feature_tables, self._feature_pools, slots)
+            split_pooled_tables(self.tbe, self._feature_tables, self._feature_pools, slots)
             self._weights = [w.data for w in self.tbe.split_embedding_weights()]
             states = (
                 self.tbe.split_optimizer_states()
@@ -228,33 +228,3 @@ class CacheTable:
         for dst, src in zip(self._states[pool], states):
             dst.index_copy_(0, slot_index, src.to(self.device, non_blocking=True))
         self.slot_ids[pool][slot_index.cpu()] = _as_index(ids, torch.device("cpu"))
-
-
-def _split_pooled_tables(
-    tbe: SplitTableBatchedEmbeddingBagsCodegen,
-    feature_tables: Sequence[int],
-    feature_pools: Sequence[int],
-    slots: Sequence[int],
-) -> None:
-    """Make FBGEMM update a pool's tables as the separate tables they are in TorchRec.
-
-    FBGEMM finds a TBE's tables from ``hash_size_cumsum`` (one entry per
-    feature; features with equal entries share a table) and their storage from
-    ``weights_offsets``. A pool is one table of slots, so its tables' features
-    would look like features of one shared table, and the CPU update of a
-    shared table takes another path (for ``EXACT_ROWWISE_ADAGRAD`` one that
-    rounds differently). Here each of the group's tables gets its own entry,
-    as wide as its pool, while its features still read and write the pool's
-    slots: the update then runs per table exactly as plain TorchRec's does.
-    """
-    entries, total, last = [], 0, None
-    for table, pool in zip(feature_tables, feature_pools):
-        if last is not None and table != last[0]:
-            total += slots[last[1]]
-        entries.append(total)
-        last = (table, pool)
-    total += slots[last[1]] if last is not None else 0
-    device = tbe.hash_size_cumsum.device
-    tbe.hash_size_cumsum = torch.tensor(entries + [total], dtype=torch.int64, device=device)
-    tbe.total_hash_size = total
-    tbe.total_hash_size_bits = int(math.log2(total) + 1) if total else 0

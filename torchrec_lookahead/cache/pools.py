@@ -9,7 +9,7 @@ table. FBGEMM's own UVM cache is shared by the tables of a TBE the same way.
 
 Sharing needs the fused optimizer's update of a row not to depend on the
 table layout. The cache TBE still shows FBGEMM each table of a pool as a
-table of its own (see ``cache._split_pooled_tables``), so the update runs
+table of its own (see ``_compat.split_pooled_tables``), so the update runs
 per table as in plain TorchRec; checked bitwise for EXACT_SGD, EXACT_ADAGRAD
 and EXACT_ROWWISE_ADAGRAD. Under any other optimizer each table keeps a pool
 of its own.

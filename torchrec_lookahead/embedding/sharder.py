@@ -17,40 +17,34 @@ as plain UVM (``fused_uvm``), without FBGEMM's own cache.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from collections import deque
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torchrec.distributed.batched_embedding_kernel import (
-    BatchedFusedEmbeddingBag,
-    EmbeddingFusedOptimizer,
-)
-from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
-from torchrec.distributed.embeddingbag import (
-    EmbeddingBagCollectionSharder,
-    ShardedEmbeddingBagCollection,
-    VariableBatchEmbeddingBagCollectionAwaitable,
-    construct_output_kt,
-)
-from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
-from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead.cached_tables import CachedTables, CacheSizing, StepMoves, Window
+from torchrec_lookahead._compat import (
+    FusedKernelBase,
+    FusedOptimizerBase,
+    GatheredOutput,
+    LookupBase,
+    ShardedCollectionBase,
+)
+from torchrec_lookahead.cache.tables import CachedTables
 from torchrec_lookahead.checks import check_feature_ids
-from torchrec_lookahead.disk import StoreFiles
+from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.modules import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.store import ORACLE_ROW_BYTES, HostStore, MmapStore
+from torchrec_lookahead.store.files import StoreFiles
+from torchrec_lookahead.store.stores import ORACLE_ROW_BYTES, HostStore, MmapStore
+from torchrec_lookahead.types import CacheSizing, PlannedStep, StepContext, StepInput, Window
 from torchrec_lookahead.variable_batch import gather_bags, tbe_batch_sizes
 
 __all__ = [
@@ -61,7 +55,7 @@ __all__ = [
 ]
 
 
-class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
+class LookaheadFusedEmbeddingBag(FusedKernelBase):
     """TorchRec's fused kernel, its full-shard TBE the store, a lookahead cache in front."""
 
     def __init__(
@@ -93,9 +87,10 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
         params = dict(config.fused_params or {})
         params.pop("preallocated_host_buffers", None)
         optimizer = params.pop("optimizer")
-        store_states = self._emb_module.split_optimizer_states()
-        weights = self._emb_module.split_embedding_weights()
+        store_states = self.store_tbe.split_optimizer_states()
+        weights = self.store_tbe.split_embedding_weights()
         states = store_states or [[] for _ in config.embedding_tables]
+        store: HostStore
         if store_files is not None:
             names = [t.name for t in config.embedding_tables]
             store = MmapStore(store_files[0], names, weights, states)
@@ -109,15 +104,15 @@ class LookaheadFusedEmbeddingBag(BatchedFusedEmbeddingBag):
             for t in config.embedding_tables
         ]  # fmt: skip
         self.cached = CachedTables(
-            [t.name for t in config.embedding_tables], self._local_rows, self._local_cols,
-            self._feature_table_map, table_slots, store, optimizer, device, self._pooling, params,
+            [t.name for t in config.embedding_tables], self.local_rows, self.local_cols,
+            self.feature_table_map, table_slots, store, optimizer, device, self.pooling, params,
         )  # fmt: skip
-        self._optim = CacheAwareFusedOptimizer(config, self._emb_module, pg, self.cached)
+        self.use_fused_optimizer(CacheAwareFusedOptimizer(config, self.store_tbe, pg, self.cached))
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.cached.step_running:
             # The fused optimizer's learning rate lives on the store TBE; keep the cache's in step.
-            lr = self._emb_module.get_learning_rate()
+            lr = self.store_tbe.get_learning_rate()
             if self.cached.cache.tbe.get_learning_rate() != lr:
                 self.cached.cache.tbe.set_learning_rate(lr)
             weights = features.weights_or_none()
@@ -162,7 +157,7 @@ def _store_buffers(config: GroupedEmbeddingConfig, files: StoreFiles, prefix: st
     return buffers
 
 
-class CacheAwareFusedOptimizer(EmbeddingFusedOptimizer):
+class CacheAwareFusedOptimizer(FusedOptimizerBase):
     """TorchRec's fused optimizer over the store TBE, kept in step with the cache.
 
     Its state tensors are the store's: reading them (``state``, which
@@ -174,21 +169,15 @@ class CacheAwareFusedOptimizer(EmbeddingFusedOptimizer):
         self._cached = cached
         super().__init__(config, emb_module, pg)
 
-    @property
-    def state(self) -> Any:
+    def before_state_read(self) -> None:
         self._cached.write_back()
-        return self._state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._state = value
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
         self._cached.cache.refresh(states=True)
 
 
-class LookaheadPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+class LookaheadPooledEmbeddingsLookup(LookupBase):
     """TorchRec's pooled lookup, building lookahead kernels for fused tables."""
 
     def __init__(
@@ -199,7 +188,7 @@ class LookaheadPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         self._kernels_made = 0
         super().__init__(*args, **kwargs)
 
-    def _create_embedding_kernel(
+    def make_kernel(
         self,
         config: GroupedEmbeddingConfig,
         device: torch.device | None,
@@ -222,14 +211,7 @@ class LookaheadPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
             config, self._sizing, pg, device, sharding_type, env, store
         )
 
-    def kernel_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
-        """The features each kernel's forward will get (as ``forward`` splits them)."""
-        if not self._emb_modules:
-            return []
-        return features.split(self._feature_splits)
-
-
-class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
     """``ShardedEmbeddingBagCollection`` with lookahead kernels, driven by the pipeline.
 
     The lookahead stage runs ``input_dist`` for a batch when it enters the
@@ -250,16 +232,14 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             # One directory per rank and module: several modules may share a store_dir.
             where = f"rank{kwargs['env'].rank}/{kwargs.get('module_fqn') or 'module'}"
             self._store_files = StoreFiles.create_subdir(module.store_dir, where)
-        self._on_stage = threading.local()  # .active: this thread is the lookahead stage
         self._stage_pg: dist.ProcessGroup | None = None
         self._stage_input_dists: list[torch.nn.Module] = []
         super().__init__(module=module, **kwargs)
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
-        self._window_inputs: deque[tuple[Any, Any]] = deque()  # (ctx, distributed input)
         self._running_input: tuple[Any, Any] | None = None
         self._entered = 0  # batches that entered the window since attach
         self._feature_rows = {
-            f: t.num_embeddings for t in self._embedding_bag_configs for f in t.feature_names
+            f: t.num_embeddings for t in self.embedding_bag_configs() for f in t.feature_names
         }
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
@@ -268,72 +248,42 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         """This rank's disk store files (``store_dir``), or ``None`` (tables in host memory)."""
         return self._store_files
 
-    def _create_lookups(self) -> None:
+    def make_lookup(
+        self, index: int, configs: list[GroupedEmbeddingConfig], pg: dist.ProcessGroup | None,
+        device: torch.device | None, sharding_type: ShardingType | None, env: ShardingEnv,
+    ) -> LookaheadPooledEmbeddingsLookup:  # fmt: skip
         files = self._store_files
-        for index, sharding in enumerate(self._embedding_shardings):
-            if isinstance(sharding, TwRwPooledEmbeddingSharding):
-                configs = sharding._grouped_embedding_configs_per_rank[sharding._rank]
-                sharding_type = ShardingType.TABLE_ROW_WISE
-            else:
-                configs = sharding._grouped_embedding_configs
-                is_rw = isinstance(sharding, RwPooledEmbeddingSharding)
-                sharding_type = ShardingType.ROW_WISE if is_rw else None
-            self._lookups.append(
-                LookaheadPooledEmbeddingsLookup(
-                    grouped_configs=configs,
-                    pg=sharding._pg,
-                    device=sharding._device,
-                    sharding_type=sharding_type,
-                    env=sharding._env,
-                    sizing=self._sizing,
-                    store=None if files is None else (files, f"lookup{index}"),
-                )
-            )
+        return LookaheadPooledEmbeddingsLookup(
+            grouped_configs=configs, pg=pg, device=device, sharding_type=sharding_type, env=env,
+            sizing=self._sizing, store=None if files is None else (files, f"lookup{index}"),
+        )  # fmt: skip
 
     # ----------------------------------------------- driven by the pipeline
 
     @property
     def cached_groups(self) -> list[CachedTables]:
-        return [kernel.cached for lookup in self._lookups for kernel in lookup._emb_modules]
+        return [kernel.cached for lookup in self.lookups for kernel in lookup.kernels]
 
-    # TorchRec's input_dist reads self._input_dists: on the stage's thread it gets the copies.
-    @property
-    def _input_dists(self) -> list[torch.nn.Module]:
-        if self._stage_input_dists and getattr(self._on_stage, "active", False):
-            return self._stage_input_dists
-        return self.__dict__["_trainer_input_dists"]
-
-    @_input_dists.setter
-    def _input_dists(self, value: list[torch.nn.Module]) -> None:
-        self.__dict__["_trainer_input_dists"] = value
-
-    def _create_input_dist(self, input_feature_names: list[str]) -> None:
-        super()._create_input_dist(input_feature_names)
+    def input_dists_created(self) -> None:
         self._bind_stage_input_dists()
 
     def _bind_stage_input_dists(self) -> None:
         """Input dists like TorchRec's, their collectives on the stage's process group."""
-        if self._stage_pg is None or not self.__dict__["_trainer_input_dists"]:
-            return
-        dists = [sharding.create_input_dist() for sharding in self._embedding_shardings]
-        for module in (m for d in dists for m in d.modules()):
-            if isinstance(getattr(module, "_pg", None), dist.ProcessGroup):
-                module._pg = self._stage_pg
-        self._stage_input_dists = dists
+        if self._stage_pg is not None and self.input_dists_ready:
+            self._stage_input_dists = self.input_dists_on(self._stage_pg)
 
     def attach(self, window: Window) -> None:
         if self._stage_pg is None:  # a collective: every rank attaches in the same order
-            ranks = dist.get_process_group_ranks(self._env.process_group)
+            ranks = dist.get_process_group_ranks(self.env.process_group)
             self._stage_pg = dist.new_group(ranks=ranks)
             self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.attach(window)
-        self._window_inputs.clear()
         self._entered = 0
 
     def prepare(
         self, features: KeyedJaggedTensor, refusal: ValueError | None = None
-    ) -> tuple[Any, Any, list]:
+    ) -> StepInput:
         """Check ids, distribute the batch (a collective), and check every shard's cache.
 
         ``refusal`` is the stage's verdict on the batch as a whole (its
@@ -346,21 +296,21 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         self._agree(refusal or self._check_ids(features))  # before the collective
         start = time.thread_time()
         ctx = self.create_context()
-        self._on_stage.active = True
+        self.use_input_dists(self._stage_input_dists or None)  # this thread's: the stage's
         try:
             distributed = self.input_dist(ctx, features).wait().wait()
         finally:
-            self._on_stage.active = False
+            self.use_input_dists(None)
         self.input_dist_s += time.thread_time() - start
         prepared, error = [], None
         try:
-            for lookup, kjt in zip(self._lookups, distributed):
-                for kernel, part in zip(lookup._emb_modules, lookup.kernel_features(kjt)):
+            for lookup, kjt in zip(self.lookups, distributed):
+                for kernel, part in zip(lookup.kernels, lookup.kernel_features(kjt)):
                     prepared.append(kernel.cached.prepare(part))
         except ValueError as caught:
             error = caught
         self._agree(error)
-        return ctx, distributed, prepared
+        return StepInput(prepared, (ctx, distributed))
 
     def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
         unchecked = np.iinfo(np.int64).max  # features of other modules
@@ -377,26 +327,26 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def _agree(self, error: ValueError | None) -> None:
         """Raise on every rank if any rank failed, so all drop the batch together."""
         failed = torch.tensor([error is not None], dtype=torch.int64)
-        if self._env.world_size > 1:
+        if self.env.world_size > 1:
             dist.all_reduce(failed, group=self._stage_pg)
         if failed.item():
             raise error or ValueError("another rank refused this batch (see its error)")
 
-    def enter(self, prepared: tuple[Any, Any, list]) -> tuple[int, StepMoves] | None:
-        ctx, distributed, per_group = prepared
-        self._window_inputs.append((ctx, distributed))
-        self._entered += 1
-        planned = [g.enter(p) for g, p in zip(self.cached_groups, per_group)]
+    def enter(self, prepared: StepInput) -> PlannedStep | None:
+        self._entered += 1  # the distributed input stays in the step's context
+        planned = [g.enter(p) for g, p in zip(self.cached_groups, prepared.groups)]
         return _merge(planned)
 
-    def finish(self) -> list[tuple[int, StepMoves]]:
+    def finish(self) -> list[PlannedStep]:
         per_group = [group.finish() for group in self.cached_groups]
-        return [_merge(list(step)) for step in zip(*per_group)]
+        return [merged for step in zip(*per_group) if (merged := _merge(list(step)))]
 
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, context: StepContext) -> None:
+        """The next forward runs ``context``'s step: its slots, and the input the stage
+        distributed when its batch entered the window."""
         for group in self.cached_groups:
-            group.begin_step(step)
-        self._running_input = self._window_inputs.popleft()
+            group.begin_step(context.planned)
+        self._running_input = context.inputs[self].distributed
 
     def write_back(self) -> None:
         for group in self.cached_groups:
@@ -417,10 +367,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             return super().forward(*args, **kwargs)  # eval: kernels read the store
         ctx, distributed = self._running_input
         self._running_input = None
-        output = self.compute_and_output_dist(ctx, distributed)
-        if type(output) is VariableBatchEmbeddingBagCollectionAwaitable:
-            output.__class__ = _GatheredVariableBatchAwaitable  # same state, faster expansion
-        return output
+        return GatheredOutput.adopt(self.compute_and_output_dist(ctx, distributed), gather_bags)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.write_back()
@@ -431,35 +378,15 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedEmbeddingBagCollection):
             group.cache.refresh()
 
 
-def _merge(planned: list[tuple[int, StepMoves] | None]) -> tuple[int, StepMoves] | None:
-    """One step's moves from every group (the groups plan in lockstep)."""
-    planned = [p for p in planned if p is not None]
-    if not planned:
+def _merge(planned: list[PlannedStep | None]) -> PlannedStep | None:
+    """One step's plans from every group (the groups plan in lockstep)."""
+    steps = [p for p in planned if p is not None]
+    if not steps:
         return None
-    return planned[0][0], [move for _, moves in planned for move in moves]
-
-
-class _GatheredVariableBatchAwaitable(VariableBatchEmbeddingBagCollectionAwaitable):
-    """TorchRec's deduplicated output, expanded to the batch by one gather
-    (:func:`~torchrec_lookahead.variable_batch.gather_bags`) on the CPU where every
-    feature has the same width; otherwise as TorchRec expands it (on CUDA FBGEMM's
-    kernel, whose summation order the gather's backward is not checked against)."""
-
-    def _wait_impl(self) -> Any:
-        dims = self._uncombined_embedding_dims
-        if len(set(dims)) != 1 or self._inverse_indices[1].device.type != "cpu":
-            return super()._wait_impl()
-        embeddings = [awaitable.wait() for awaitable in self._awaitables]
-        _, inverse = self._inverse_indices
-        if self._inverse_indices_permute_indices is not None:
-            inverse = inverse.index_select(0, self._inverse_indices_permute_indices)
-        pooled = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings)
-        expanded = gather_bags(pooled, inverse, self._batch_size_per_feature_pre_a2a, dims[0])
-        for awaitable in self._resize_awaitables or []:
-            awaitable.wait()
-        return construct_output_kt(embeddings=[self._permute_op(expanded)],
-                                   embedding_names=self._embedding_names,
-                                   embedding_dims=self._embedding_dims)  # fmt: skip
+    merged = PlannedStep(steps[0].step)
+    for step in steps:
+        merged.merge(step)
+    return merged
 
 
 class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_lookahead.oracle import TIE_BREAKS, OracleCacher
+from torchrec_lookahead.oracle.cacher import TIE_BREAKS, OracleCacher
 
 __all__ = [
     "StepOutcome",

@@ -1,7 +1,7 @@
 """The oracle's per-step work, compiled with numba and run without the GIL.
 
 Three passes per step, one call each, so the Python driver in
-:mod:`torchrec_lookahead.oracle` does no per-id work:
+:mod:`torchrec_lookahead.oracle.cacher` does no per-id work:
 
 * :func:`prepare_batch`: checks the ids, deduplicates them by scatter into the
   row table, and counts what the pinned-row check needs. It writes the table
@@ -13,8 +13,8 @@ Three passes per step, one call each, so the Python driver in
   candidates, misses are found, victims are taken in policy order, fetched
   rows get slots, and the step's rows are pinned with their next use.
 
-Victim order (DESIGN.md section 4). A resident row becomes a candidate when
-it leaves the pinned steps, and its key (uses so far, last use) is then
+Victim order (the oracle's contract, docs/design.md). A resident row becomes a
+candidate when it leaves the pinned steps, and its key (uses so far, last use) is then
 frozen. Candidates with a next use wait in the bucket of that step, which
 dissolves when the step is planned (its rows are hits). Candidates with no
 use in the window wait in groups of equal key: the rows released by one plan

@@ -1,6 +1,6 @@
 """The oracle's planning state: flat numpy arrays that the compiled kernels update in place.
 
-One :class:`OracleState` holds everything :mod:`torchrec_lookahead.oracle_kernels`
+One :class:`OracleState` holds everything :mod:`torchrec_lookahead.oracle.kernels`
 reads and writes for one table: where each row is, what each resident row is
 waiting for, the groups and buckets of candidates, and the window's rings.
 It is a named tuple of arrays so that one argument carries it into numba.
@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from torchrec_lookahead.oracle_kernels import NEVER, ROW_FIELDS, SLOT_FIELDS
+from torchrec_lookahead.oracle.kernels import NEVER, ROW_FIELDS, SLOT_FIELDS
 
 __all__ = ["GroupHeap", "OracleState", "grow_rings", "grow_rows", "new_state"]
 

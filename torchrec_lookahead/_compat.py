@@ -1,0 +1,343 @@
+"""TorchRec's, FBGEMM's and torch's internals, behind one door.
+
+Every private name, override and patch the project needs is here, each with
+why no public API serves; the rest of the project uses public API only, and
+reaches these through the base classes and functions below. Checked on
+torch 2.13 / FBGEMM 1.8 / TorchRec 1.8 (the pinned set, ``requirements/``);
+a TorchRec release that moves one of these breaks this module alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torchrec.distributed.batched_embedding_kernel import (
+    BatchedFusedEmbeddingBag,
+    EmbeddingFusedOptimizer,
+)
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.embeddingbag import (
+    ShardedEmbeddingBagCollection,
+    VariableBatchEmbeddingBagCollectionAwaitable,
+    construct_output_kt,
+)
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
+from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+__all__ = [
+    "GatheredOutput",
+    "LookupBase",
+    "FusedKernelBase",
+    "FusedOptimizerBase",
+    "ShardedCollectionBase",
+    "embedding_features",
+    "in_backward_optimizers",
+    "sharded_tensor_from_shards",
+    "split_pooled_tables",
+]
+
+
+# ------------------------------------------------------------ unsharded modules
+
+
+def in_backward_optimizers(param: torch.Tensor) -> tuple[list[type], list[dict[str, Any]]]:
+    """The optimizer classes and keyword arguments ``apply_optimizer_in_backward`` set on
+    ``param``. TorchRec keeps them only as the parameter's ``_optimizer_classes`` and
+    ``_optimizer_kwargs`` (its own sharders read them there too)."""
+    return list(getattr(param, "_optimizer_classes", [])), list(
+        getattr(param, "_optimizer_kwargs", [])
+    )
+
+
+def embedding_features(module: torch.nn.Module) -> dict[str, bool] | None:
+    """The features ``module`` looks up and whether it is weighted, if it is an embedding
+    module, sharded or not. Sharded collections have no public accessor for their
+    configs or weighting (``_embedding_bag_configs``, ``_embedding_configs``,
+    ``_is_weighted``); unsharded ones do, and are read through it."""
+    configs: Sequence[Any] | None = None
+    for getter in ("embedding_bag_configs", "embedding_configs"):
+        public = getattr(module, getter, None)
+        if callable(public):
+            configs = public()
+            break
+        if isinstance(getattr(module, f"_{getter}", None), list):
+            configs = getattr(module, f"_{getter}")
+            break
+    if configs is None:
+        return None
+    weighted = getattr(module, "is_weighted", None)
+    is_weighted = bool(weighted() if callable(weighted) else getattr(module, "_is_weighted", False))
+    return {f: is_weighted for config in configs for f in config.feature_names}
+
+
+# ------------------------------------------------------------ FBGEMM's TBE
+
+
+def split_pooled_tables(
+    tbe: SplitTableBatchedEmbeddingBagsCodegen,
+    feature_tables: Sequence[int],
+    feature_pools: Sequence[int],
+    slots: Sequence[int],
+) -> None:
+    """Make FBGEMM update a pool's tables as the separate tables they are in TorchRec.
+
+    FBGEMM finds a TBE's tables from ``hash_size_cumsum`` (one entry per
+    feature; features with equal entries share a table) and their storage from
+    ``weights_offsets``. A pool is one table of slots, so its tables' features
+    would look like features of one shared table, and the CPU update of a
+    shared table takes another path (for ``EXACT_ROWWISE_ADAGRAD`` one that
+    rounds differently). Here each of the group's tables gets its own entry,
+    as wide as its pool, while its features still read and write the pool's
+    slots: the update then runs per table exactly as plain TorchRec's does.
+    FBGEMM has no constructor argument for this (its table map is the storage
+    map), so the buffers it derives from the map are rewritten.
+    """
+    entries, total, last = [], 0, None
+    for table, pool in zip(feature_tables, feature_pools):
+        if last is not None and table != last[0]:
+            total += slots[last[1]]
+        entries.append(total)
+        last = (table, pool)
+    total += slots[last[1]] if last is not None else 0
+    device = tbe.hash_size_cumsum.device
+    tbe.hash_size_cumsum = torch.tensor(entries + [total], dtype=torch.int64, device=device)
+    tbe.total_hash_size = total
+    tbe.total_hash_size_bits = int(math.log2(total) + 1) if total else 0
+
+
+# ------------------------------------------------------------ TorchRec's sharded collection
+
+
+class FusedKernelBase(BatchedFusedEmbeddingBag):
+    """TorchRec's fused kernel, read through properties: it keeps its TBE and its
+    shard's layout in private attributes only (``_emb_module``, ``_local_rows``,
+    ``_local_cols``, ``_feature_table_map``, ``_pooling``)."""
+
+    @property
+    def store_tbe(self) -> SplitTableBatchedEmbeddingBagsCodegen:
+        return self._emb_module
+
+    @property
+    def local_rows(self) -> list[int]:
+        return list(self._local_rows)
+
+    @property
+    def local_cols(self) -> list[int]:
+        return list(self._local_cols)
+
+    @property
+    def feature_table_map(self) -> list[int]:
+        return list(self._feature_table_map)
+
+    @property
+    def pooling(self) -> Any:
+        return self._pooling
+
+    def use_fused_optimizer(self, optimizer: EmbeddingFusedOptimizer) -> None:
+        """Make ``optimizer`` this kernel's ``fused_optimizer`` (TorchRec returns its
+        private ``_optim`` there and has no setter)."""
+        self._optim = optimizer
+
+
+class FusedOptimizerBase(EmbeddingFusedOptimizer):
+    """TorchRec's fused optimizer with a hook before its state is read (``state`` is a
+    plain attribute there, ``_state`` behind it, which ``state_dict`` and
+    ``CombinedOptimizer`` read)."""
+
+    def before_state_read(self) -> None:
+        """Called whenever the optimizer state is read."""
+
+    @property
+    def state(self) -> Any:
+        self.before_state_read()
+        return self._state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._state = value
+
+
+class LookupBase(GroupedPooledEmbeddingsLookup):
+    """TorchRec's pooled lookup whose kernels are made by ``make_kernel``: it has no
+    public hook, only the private ``_create_embedding_kernel`` it calls per group."""
+
+    def make_kernel(
+        self,
+        config: GroupedEmbeddingConfig,
+        device: torch.device | None,
+        pg: dist.ProcessGroup | None,
+        sharding_type: ShardingType | None,
+        env: ShardingEnv | None,
+    ) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def _create_embedding_kernel(
+        self,
+        config: GroupedEmbeddingConfig,
+        device: torch.device | None,
+        pg: dist.ProcessGroup | None,
+        sharding_type: ShardingType | None,
+        env: ShardingEnv | None,
+    ) -> torch.nn.Module:
+        return self.make_kernel(config, device, pg, sharding_type, env)
+
+    @property
+    def kernels(self) -> list[Any]:
+        return list(self._emb_modules)
+
+    def kernel_features(self, features: Any) -> list[Any]:
+        """The features each kernel's forward will get (as ``forward`` splits them)."""
+        if not self._emb_modules:
+            return []
+        return features.split(self._feature_splits)
+
+
+class ShardedCollectionBase(ShardedEmbeddingBagCollection):
+    """TorchRec's sharded collection with three hooks it lacks publicly.
+
+    * ``make_lookup(index, configs, pg, device, sharding_type, env)`` builds the
+      lookup of each sharding (TorchRec builds them in ``_create_lookups``).
+    * ``use_input_dists(dists)`` gives this thread (the lookahead stage) input
+      dists of its own: TorchRec's ``input_dist`` reads ``self._input_dists``,
+      so a property answers per thread.
+    * ``input_dists_on(pg)``: copies of TorchRec's input dists whose
+      collectives run on ``pg`` (its modules hold their group as ``_pg``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._thread_input_dists = _ThreadValue()
+        super().__init__(*args, **kwargs)
+
+    def make_lookup(
+        self, index: int, configs: list[GroupedEmbeddingConfig], pg: dist.ProcessGroup | None,
+        device: torch.device | None, sharding_type: ShardingType | None, env: ShardingEnv,
+    ) -> torch.nn.Module:  # fmt: skip
+        raise NotImplementedError
+
+    @property
+    def env(self) -> ShardingEnv:
+        return self._env
+
+    @property
+    def lookups(self) -> list[Any]:
+        return list(self._lookups)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self._embedding_bag_configs)
+
+    def input_dists_on(self, pg: dist.ProcessGroup) -> list[torch.nn.Module]:
+        dists = [sharding.create_input_dist() for sharding in self._embedding_shardings]
+        for module in (m for d in dists for m in d.modules()):
+            if isinstance(getattr(module, "_pg", None), dist.ProcessGroup):
+                module._pg = pg
+        return dists
+
+    def use_input_dists(self, dists: list[torch.nn.Module] | None) -> None:
+        """This thread's input dists from now on (``None``: TorchRec's own)."""
+        self._thread_input_dists.set(dists)
+
+    @property
+    def input_dists_ready(self) -> bool:
+        """Whether TorchRec has made its input dists (at the first forward or input_dist)."""
+        return bool(self.__dict__.get("_trainer_input_dists"))
+
+    def _create_lookups(self) -> None:
+        for index, sharding in enumerate(self._embedding_shardings):
+            if isinstance(sharding, TwRwPooledEmbeddingSharding):
+                configs = sharding._grouped_embedding_configs_per_rank[sharding._rank]
+                sharding_type: ShardingType | None = ShardingType.TABLE_ROW_WISE
+            else:
+                configs = sharding._grouped_embedding_configs
+                is_rw = isinstance(sharding, RwPooledEmbeddingSharding)
+                sharding_type = ShardingType.ROW_WISE if is_rw else None
+            self._lookups.append(self.make_lookup(index, configs, sharding._pg,
+                                                  sharding._device, sharding_type,
+                                                  sharding._env))  # fmt: skip
+
+    @property
+    def _input_dists(self) -> list[torch.nn.Module]:
+        return self._thread_input_dists.get() or self.__dict__["_trainer_input_dists"]
+
+    @_input_dists.setter
+    def _input_dists(self, value: list[torch.nn.Module]) -> None:
+        self.__dict__["_trainer_input_dists"] = value
+
+    def _create_input_dist(self, input_feature_names: list[str]) -> None:
+        super()._create_input_dist(input_feature_names)
+        self.input_dists_created()
+
+    def input_dists_created(self) -> None:
+        """Called once TorchRec has made its input dists."""
+
+
+class _ThreadValue:
+    """A value per thread (``None`` where unset)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._local = threading.local()
+
+    def get(self) -> Any:
+        return getattr(self._local, "value", None)
+
+    def set(self, value: Any) -> None:
+        self._local.value = value
+
+
+class GatheredOutput(VariableBatchEmbeddingBagCollectionAwaitable):
+    """TorchRec's deduplicated output, expanded to the batch by ``gather`` where every
+    feature has the same width and the output is on the CPU; otherwise as TorchRec
+    expands it. TorchRec's expansion is the private ``_wait_impl`` of its awaitable,
+    over the awaitable's private fields; :meth:`adopt` takes over TorchRec's object."""
+
+    gather: Callable[[torch.Tensor, torch.Tensor, Any, int], torch.Tensor]
+
+    @classmethod
+    def adopt(cls, output: Any, gather: Callable[..., torch.Tensor]) -> Any:
+        """``output`` expanded by ``gather`` if it is TorchRec's deduplicated output
+        (the same object, its class swapped: no state is copied)."""
+        if type(output) is VariableBatchEmbeddingBagCollectionAwaitable:
+            output.__class__ = cls
+            output.gather = gather
+        return output
+
+    def _wait_impl(self) -> Any:
+        dims = self._uncombined_embedding_dims
+        if len(set(dims)) != 1 or self._inverse_indices[1].device.type != "cpu":
+            return super()._wait_impl()
+        embeddings = [awaitable.wait() for awaitable in self._awaitables]
+        _, inverse = self._inverse_indices
+        if self._inverse_indices_permute_indices is not None:
+            inverse = inverse.index_select(0, self._inverse_indices_permute_indices)
+        pooled = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings)
+        expanded = self.gather(pooled, inverse, self._batch_size_per_feature_pre_a2a, dims[0])
+        for awaitable in self._resize_awaitables or []:
+            awaitable.wait()
+        return construct_output_kt(embeddings=[self._permute_op(expanded)],
+                                   embedding_names=self._embedding_names,
+                                   embedding_dims=self._embedding_dims)  # fmt: skip
+
+
+# ------------------------------------------------------------ torch.distributed
+
+
+def sharded_tensor_from_shards(shards: list[Shard], like: ShardedTensor) -> ShardedTensor:
+    """A ``ShardedTensor`` of ``shards`` with ``like``'s metadata and process group.
+    torch has no public constructor from local shards and global metadata, and keeps
+    the group as ``_process_group``; ``ShardedTensor`` itself lives in the private
+    ``torch.distributed._shard`` (TorchRec's state dicts are made of them)."""
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, like.metadata(), process_group=like._process_group
+    )
