@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo oracle test lint docs bench clean
+.PHONY: install demo oracle test test-compat lint docs gpu-check bench clean
 
 install: $(STAMP)
 
@@ -24,9 +24,24 @@ oracle: install
 test: install
 	$(PY) -m pytest -q
 
+# The suite again against the newest TorchRec release and its torch / FBGEMM
+# (requirements/compat.txt), in a second virtual environment.
+COMPAT_VENV ?= .venv-compat
+$(COMPAT_VENV)/.installed: requirements/compat.txt requirements/dev.txt scripts/install-compat.sh
+	bash scripts/install-compat.sh $(COMPAT_VENV)
+	touch $@
+
+test-compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_VENV)/bin/python -m pytest -q
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# The CUDA path on a GPU: the CUDA-marked tests under the CUDA sanitizer, then the GPU
+# benchmark's table. Not run where this project is developed (no GPU): it says so and fails.
+gpu-check: install
+	bash scripts/gpu_check.sh $(PY) results/gpu_check
 
 # The design, guides, results and an API reference from the docstrings, warnings as errors.
 docs: install
@@ -45,4 +60,4 @@ bench: install
 	$(PY) benchmarks/planner.py --out results/planner100 --sample-batches 100
 
 clean:
-	rm -rf $(VENV) results .cache .pytest_cache .hypothesis *.egg-info docs/_build docs/_api
+	rm -rf $(VENV) $(COMPAT_VENV) results .cache .pytest_cache .hypothesis *.egg-info docs/_build docs/_api

@@ -10,7 +10,7 @@ weights (checked). Two set-ups:
 * ``--world-size 1`` or ``2``: ``DistributedModelParallel`` on spawned gloo
   ranks; the baseline is plain TorchRec (``EmbeddingBagCollection``, default
   sharder, ``TrainPipelineSparseDist``), the lookahead model the canonical
-  use of the canonical use (``docs/design.md``). Each rank has its own batches.
+  use (``docs/design.md``). Each rank has its own batches.
 
 Both give every table --cache-load-factor of its rows (raised at the first
 batch where the window needs more). The lookahead step time splits into

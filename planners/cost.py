@@ -10,7 +10,7 @@ from torchrec.distributed.planner.types import Topology
 
 from planners.statistics import LookaheadCacheStatistics
 
-__all__ = ["TableCacheCost", "optimizer_state_floats", "row_move_bandwidth"]
+__all__ = ["ROWWISE_OPTIMIZERS", "TableCacheCost", "optimizer_state_floats", "row_move_bandwidth"]
 
 SLOT_INDEX_BYTES = 8  # the cache's slot -> row map, per slot
 ORACLE_BYTES_PER_ROW = 12  # the oracle's slot map and latest occurrence, per table row
@@ -20,6 +20,12 @@ def row_move_bandwidth(topology: Topology) -> float:
     """Bytes per millisecond for moving rows between store and cache: host memory
     bandwidth on a CPU topology, the host-device link on a GPU one."""
     return topology.ddr_mem_bw if topology.compute_device == "cpu" else topology.hbm_to_ddr_mem_bw
+
+
+ROWWISE_OPTIMIZERS = frozenset({
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD,
+    EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
+})  # fmt: skip
 
 
 def optimizer_state_floats(optimizer: EmbOptimType, dim: int) -> int:
@@ -37,7 +43,9 @@ def optimizer_state_floats(optimizer: EmbOptimType, dim: int) -> int:
 class TableCacheCost:
     """Costs of caching ``load_factor`` of a table's rows (all of its shards together).
 
-    Device memory: cache rows x (weights + optimizer state) + the slot index.
+    Device memory: cache rows x (weights + optimizer state) + the slot index,
+    and, on a GPU under a row-wise optimizer, the store's row-wise state (FBGEMM
+    keeps a UVM table's row-wise optimizer state in device memory).
     Host memory: the full table with optimizer state + the oracle's per-row state.
     Traffic: each miss fetches a row and, in steady state, writes one back.
     """
@@ -47,6 +55,7 @@ class TableCacheCost:
     dim: int
     state_floats: int
     stats: LookaheadCacheStatistics
+    rowwise_state: bool = False  # one state float per row (row-wise Adagrad and the like)
 
     @property
     def row_bytes(self) -> int:
@@ -61,6 +70,10 @@ class TableCacheCost:
 
     def host_bytes(self) -> int:
         return self.num_rows * (self.row_bytes + ORACLE_BYTES_PER_ROW)
+
+    def store_device_bytes(self) -> int:
+        """The part of ``host_bytes`` a GPU store keeps in device memory: row-wise state."""
+        return self.num_rows * 4 * self.state_floats if self.rowwise_state else 0
 
     def misses_per_step(self, load_factor: float) -> float:
         effective = self.cache_rows(load_factor) / self.num_rows

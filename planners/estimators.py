@@ -74,9 +74,11 @@ class LookaheadStorageEstimator(_LookaheadShards, EmbeddingStorageEstimator):
         for shard, cost, clf, share in self._lookahead_shards(sharding_options):
             device = int(cost.device_bytes(clf) * share)
             host = int(cost.host_bytes() * share)
-            shard.storage = (
-                Storage(hbm=0, ddr=device + host) if self._cpu else Storage(hbm=device, ddr=host)
-            )
+            if self._cpu:
+                shard.storage = Storage(hbm=0, ddr=device + host)
+            else:  # the store's row-wise state lives in device memory there
+                state = int(cost.store_device_bytes() * share)
+                shard.storage = Storage(hbm=device + state, ddr=host - state)
 
 
 class LookaheadPerfEstimator(_LookaheadShards, EmbeddingPerfEstimator):

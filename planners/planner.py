@@ -10,7 +10,12 @@ from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.types import CacheParams, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from planners.cost import TableCacheCost, optimizer_state_floats, row_move_bandwidth
+from planners.cost import (
+    ROWWISE_OPTIMIZERS,
+    TableCacheCost,
+    optimizer_state_floats,
+    row_move_bandwidth,
+)
 from planners.estimators import LookaheadPerfEstimator, LookaheadStorageEstimator
 from planners.proposer import CacheProposal, LookaheadCacheProposer
 from planners.statistics import LookaheadCacheStatistics
@@ -52,7 +57,7 @@ def lookahead_planner(
     costs = {
         t.name: TableCacheCost(t.name, t.num_embeddings, t.embedding_dim,
                                optimizer_state_floats(optimizer, t.embedding_dim),
-                               statistics[t.name])
+                               statistics[t.name], optimizer in ROWWISE_OPTIMIZERS)
         for t in tables
     }  # fmt: skip
     proposal = LookaheadCacheProposer(

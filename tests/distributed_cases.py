@@ -38,6 +38,7 @@ from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
 from torchrec_lookahead.embedding.sharder import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.testing.determinism import deterministic_cuda
 
 OPTIMIZERS = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 SIZES = (6000, 3000, 1500)
@@ -234,6 +235,7 @@ def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
 def _in_process_group(rank: int, world_size: int, port: int, body) -> None:  # noqa: ANN001
     """Run ``body()`` as one gloo rank (one share of the cores each, no oversubscription)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    deterministic_cuda()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

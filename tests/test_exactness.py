@@ -5,6 +5,11 @@ same fused optimizer (what TorchRec's ``fused`` kernel runs). Both use the
 same TBE kernels on the same rows in the same order; the cache only renames
 rows to slots, so weights, optimizer state, dense parameters and every
 step's output agree exactly, with no tolerance.
+
+Every test runs twice: with the CPU's side stream (moves land at once) and
+with a deferred one that holds the moves back until the trainer waits for
+them, as a GPU's side stream would (``torchrec_lookahead.testing.streams``):
+a missing wait then reads rows that have not landed and the results differ.
 """
 
 from __future__ import annotations
@@ -21,8 +26,25 @@ from models import (
     train_reference,
 )
 
+from torchrec_lookahead.streams import side_stream
+from torchrec_lookahead.testing.streams import DeferredSideStream, use_deferred_side_streams
+
 STEPS = 120
 DATA = batches(STEPS)
+
+
+@pytest.fixture(autouse=True, params=["immediate", "deferred"])
+def side_streams(request):
+    """Row moves on the CPU's side stream, or on one that defers them until waited for."""
+    if request.param == "immediate":
+        yield
+        return
+    with use_deferred_side_streams():
+        yield
+        deferred = side_stream(torch.device("cpu"))
+        assert isinstance(deferred, DeferredSideStream) and deferred.deferred > 0, (
+            "no move was ever held back: the deferred stream tested nothing"
+        )
 
 
 def check_against_reference(

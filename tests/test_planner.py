@@ -155,3 +155,18 @@ def test_missing_statistics_are_named() -> None:
     with pytest.raises(ValueError, match=r"no cache statistics for tables \['t0'\]"):
         lookahead_planner(Topology(world_size=1, compute_device="cpu"), 8, tables, {},
                           EmbOptimType.EXACT_SGD, 1.0)  # fmt: skip
+
+
+def test_a_gpu_store_keeps_row_wise_state_in_device_memory() -> None:
+    """On CUDA the store is FBGEMM's UVM TBE, whose row-wise optimizer state is in device
+    memory: the storage estimate counts it there, not in host memory."""
+    from planners.cost import TableCacheCost, optimizer_state_floats
+
+    stats = LookaheadCacheStatistics([np.arange(64)] * 4, 1000, 2, 1, "t")
+    rowwise = TableCacheCost("t", 1000, 16, optimizer_state_floats(
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD, 16), stats, rowwise_state=True)  # fmt: skip
+    assert rowwise.store_device_bytes() == 1000 * 4
+    assert rowwise.store_device_bytes() < rowwise.host_bytes()
+    plain = TableCacheCost("t", 1000, 16, optimizer_state_floats(EmbOptimType.EXACT_SGD, 16),
+                           stats)  # fmt: skip
+    assert plain.store_device_bytes() == 0

@@ -10,6 +10,7 @@ a TorchRec release that moves one of these breaks this module alone.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +43,8 @@ __all__ = [
     "FusedOptimizerBase",
     "ShardedCollectionBase",
     "embedding_features",
+    "fake_cuda_tensors",
+    "fake_store",
     "in_backward_optimizers",
     "sharded_tensor_from_shards",
     "split_pooled_tables",
@@ -285,8 +288,6 @@ class _ThreadValue:
     """A value per thread (``None`` where unset)."""
 
     def __init__(self) -> None:
-        import threading
-
         self._local = threading.local()
 
     def get(self) -> Any:
@@ -331,6 +332,23 @@ class GatheredOutput(VariableBatchEmbeddingBagCollectionAwaitable):
 
 
 # ------------------------------------------------------------ torch.distributed
+
+
+def fake_cuda_tensors() -> Any:
+    """torch's ``FakeTensorMode`` (tensors without data, CUDA ones on a CPU build; device
+    mismatches raise as on a GPU): the tests check the CUDA path with it. It lives in the
+    private ``torch._subclasses``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_store() -> Any:
+    """torch's store for the ``cuda:fake`` process-group backend (takes CUDA tensors only,
+    as NCCL does; no communication), from the private ``torch.testing._internal``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 def sharded_tensor_from_shards(shards: list[Shard], like: ShardedTensor) -> ShardedTensor:

@@ -194,6 +194,7 @@ class StepContext:
     batch: Any
     inputs: dict[Any, StepInput] = field(default_factory=dict)  # module -> what it prepared
     planned: PlannedStep | None = None  # filled once batch ``step + L`` has entered
+    ready: Any = None  # an event after the stage's device work on the batch (the hand-over)
 
 
 @runtime_checkable

@@ -124,10 +124,12 @@ def expand_pooled(
     """The TBE output of ``features`` as ``[batch, sum(dims)]``, each sample given its bag.
 
     ``dims`` are the features' widths in ``features``' key order. A batch of
-    one stride is already in that shape.
+    one stride is already in that shape. FBGEMM's variable-batch output is
+    flat: ``[N]`` on the CPU, ``[1, N]`` on CUDA; both are taken.
     """
     if not features.variable_stride_per_key():
         return pooled
+    pooled = pooled.reshape(-1)
     strides = features.stride_per_key()
     inverse = reorder_inverse_indices(features.inverse_indices_or_none(), features.keys())
     if len(set(dims)) == 1 and pooled.device.type == "cpu":  # CUDA: FBGEMM's kernel

@@ -130,6 +130,7 @@ from torchrec_lookahead import (  # noqa: E402
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo  # noqa: E402
 from torchrec_lookahead.data.dedup import DedupCounts  # noqa: E402
 from torchrec_lookahead.store.files import anonymous_rss_bytes  # noqa: E402
+from torchrec_lookahead.testing.determinism import deterministic_cuda  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,6 +184,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the full tables in files in this existing directory "
                         "(for tables larger than RAM); one subdirectory per rank")  # fmt: skip
     p.add_argument("--baseline", action="store_true", help="also train plain TorchRec and compare")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic CUDA algorithms, so runs compare bitwise (implied by "
+                        "--baseline; the CPU is deterministic already)")  # fmt: skip
     p.add_argument(
         "--plan_cache_sizes",
         action="store_true",
@@ -650,6 +654,8 @@ def weights_digest(dmp) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.deterministic or args.baseline:
+        deterministic_cuda()  # before any CUDA work; FBGEMM's backward order is fixed then
     rank, world_size, device = init_distributed()
     if args.fail_at_step is not None and args.fail_rank >= world_size:
         raise ValueError(f"--fail_rank {args.fail_rank} is not a rank of world size {world_size}")
@@ -707,13 +713,15 @@ def run(args: argparse.Namespace) -> int:
         if checkpointer:
             checkpointer.close()  # the last save is published before anything else
     if checkpointer and checkpointer.stall_s:
-        stalls = torch.tensor(checkpointer.stall_s, dtype=torch.float64)
+        # Collectives take tensors of the group's device (NCCL: CUDA only).
+        stalls = torch.tensor(checkpointer.stall_s, dtype=torch.float64, device=device)
         dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
         runs[0].checkpoint_stall_s = stalls.tolist()
     same = weights_digest(look) == weights_digest(base) if args.baseline else None
     digest = weights_digest(look)
     sharded = [m for m in look.modules() if hasattr(m, "cached_groups")]
-    cached = torch.tensor([sum(sum(g.cache_rows) for m in sharded for g in m.cached_groups)])
+    cached = torch.tensor([sum(sum(g.cache_rows) for m in sharded for g in m.cached_groups)],
+                          device=device)  # fmt: skip
     dist.all_reduce(cached)  # every rank caches only its own shards
     if rank == 0:
         report(args, runs, same, digest, world_size, int(cached.item()))

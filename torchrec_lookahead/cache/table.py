@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
+import torchrec_lookahead.streams as streams
 from torchrec_lookahead._compat import split_pooled_tables
 from torchrec_lookahead.cache.pools import SlotPool
 from torchrec_lookahead.store.stores import HostStore
@@ -25,7 +27,18 @@ __all__ = ["CacheTable"]
 
 
 def _as_index(ids: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).to(device)
+    """``ids`` as an index tensor on ``device`` (to a GPU through pinned memory, so the
+    copy does not block the thread that queues it)."""
+    index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+    if device.type == "cpu":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+def _copy_into(targets: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor) -> None:
+    """Each ``(cached, rows)``: ``rows`` into ``cached`` at ``slots`` (on its device)."""
+    for cached, rows in targets:
+        cached.index_copy_(0, slots, rows.to(cached.device, non_blocking=True))
 
 
 class CacheTable:
@@ -67,6 +80,7 @@ class CacheTable:
         self._pooling = pooling
         self._fbgemm_params = dict(fbgemm_params or {})
         self._lock = threading.Lock()
+        self._side = streams.side_stream(device)  # where rows move, beside the trainer's work
         self.resize(slots)
 
     @property
@@ -140,8 +154,10 @@ class CacheTable:
                 self._fetch(pool, plan.fetch_ids, plan.fetch_slots)
 
     def write_back_all(self) -> None:
-        """Write every occupied slot back to the store; the rows stay cached."""
+        """Write every occupied slot back to the store; the rows stay cached. Called on the
+        trainer's thread: the reads wait for its updates and for every move queued."""
         with self._lock:
+            self._side.wait_for(streams.mark(self.device))
             for p, ids in enumerate(self.slot_ids):
                 slots = torch.nonzero(ids >= 0).flatten()
                 if len(slots):
@@ -155,18 +171,19 @@ class CacheTable:
 
     def refresh(self, states: bool = False) -> None:
         """Reload occupied slots from the store (after the store was overwritten):
-        their weights, and their optimizer state too when ``states``."""
+        their weights, and their optimizer state too when ``states``. On the side stream,
+        after the moves queued before; the trainer's stream then waits for it."""
         with self._lock:
+            self._side.wait_for(streams.mark(self.device))
             for p, ids in enumerate(self.slot_ids):
                 slots = torch.nonzero(ids >= 0).flatten()
                 if len(slots):
                     weights, rows = self._gather(p, ids[slots].numpy())
-                    on_device = slots.to(self.device)
                     targets = [(self._weights[p], weights)]
                     if states:
                         targets += list(zip(self._states[p], rows))
-                    for cached, stored in targets:
-                        cached.index_copy_(0, on_device, stored.to(self.device))
+                    self._side.run(partial(_copy_into, targets, slots.to(self.device)))
+            self._side.current_waits(self._side.record())
 
     # The moves below hold the lock (taken by the public methods above).
 
@@ -176,14 +193,28 @@ class CacheTable:
         self.slot_ids[pool][slot_index] = -1
 
     def _copy_out(self, pool: int, ids: np.ndarray, slots: torch.Tensor) -> None:
+        """The rows in ``slots`` to the store: read on the side stream, after every move
+        queued before (a fetch into these slots may not have landed yet), into host
+        memory (pinned staging on a GPU); then written into the store by the host."""
         on_device = slots.to(self.device)
-        rows = [t.index_select(0, on_device) for t in (self._weights[pool], *self._states[pool])]
-        if self.device.type == "cuda":  # through pinned staging buffers, then wait for them
-            staged = [self.store.staging_rows(len(r), r) for r in rows]
-            for host, dev in zip(staged, rows):
-                host.copy_(dev, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
-            rows = staged
+        tensors = (self._weights[pool], *self._states[pool])
+        cpu = torch.device("cpu")
+        staged = None
+        if self.device.type != "cpu":
+            staged = [self.store.staging_rows(len(slots), t, cpu) for t in tensors]
+        rows: list[torch.Tensor] = []
+
+        def read() -> None:
+            picked = [t.index_select(0, on_device) for t in tensors]
+            if staged is None:
+                rows.extend(picked)
+                return
+            for host, device_rows in zip(staged, picked):
+                host.copy_(device_rows, non_blocking=True)
+            rows.extend(staged)
+
+        self._side.run(read)
+        self._side.drain()  # the rows are in host memory now
         store, parts = self._store_parts(pool, ids)
         for table, local, positions in parts:
             if len(positions) == len(ids):
@@ -222,9 +253,12 @@ class CacheTable:
         return weights, states
 
     def _fetch(self, pool: int, ids: np.ndarray, slots: np.ndarray) -> None:
+        """Rows ``ids`` into ``slots``: read from the store now, landed on the side stream."""
         weights, states = self._gather(pool, ids)
         slot_index = _as_index(slots, self.device)
-        self._weights[pool].index_copy_(0, slot_index, weights.to(self.device, non_blocking=True))
-        for dst, src in zip(self._states[pool], states):
-            dst.index_copy_(0, slot_index, src.to(self.device, non_blocking=True))
-        self.slot_ids[pool][slot_index.cpu()] = _as_index(ids, torch.device("cpu"))
+
+        targets = [(self._weights[pool], weights), *zip(self._states[pool], states)]
+        self._side.run(partial(_copy_into, targets, slot_index))
+        self.slot_ids[pool][_as_index(slots, torch.device("cpu"))] = _as_index(
+            ids, torch.device("cpu")
+        )

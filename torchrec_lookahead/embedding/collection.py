@@ -100,6 +100,10 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         if len(poolings) > 1 or not poolings <= set(_POOLING):
             raise ValueError(f"tables must share one pooling, SUM or MEAN; got {poolings}")
         compute = torch.device(device) if device is not None else torch.device("cpu")
+        if store_dir is not None and compute.type not in ("cpu", "meta"):
+            raise ValueError(f"a disk store runs on the CPU for now, not {compute}: its files "
+                             "are mapped host memory, and pinning them for a GPU would copy "
+                             "every table into RAM")  # fmt: skip
         host = compute if compute.type == "meta" else torch.device("cpu")
         self.store_dir = None if store_dir is None else Path(store_dir)
         files = None
@@ -288,10 +292,9 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def _build_cache(self) -> CachedTables:
         params = self.fused_config()
         optimizer = params.pop("optimizer")
+        # On CUDA the tables stay pageable: rows move through pinned staging buffers (the
+        # store's), so no table is copied into page-locked memory.
         on_cuda = self._compute_device.type == "cuda"
-        if on_cuda:
-            for bag in self.embedding_bags.values():
-                bag.weight.data = bag.weight.data.pin_memory()
         weights = [bag.weight for bag in self.embedding_bags.values()]
         store: HostStore
         if self._store_files is not None:

@@ -233,6 +233,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             where = f"rank{kwargs['env'].rank}/{kwargs.get('module_fqn') or 'module'}"
             self._store_files = StoreFiles.create_subdir(module.store_dir, where)
         self._stage_pg: dist.ProcessGroup | None = None
+        # Collectives take tensors of the device the sharded module computes on (NCCL: CUDA).
+        self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self._stage_input_dists: list[torch.nn.Module] = []
         super().__init__(module=module, **kwargs)
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
@@ -326,11 +328,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
 
     def _agree(self, error: ValueError | None) -> None:
         """Raise on every rank if any rank failed, so all drop the batch together."""
-        failed = torch.tensor([error is not None], dtype=torch.int64)
         if self.env.world_size > 1:
-            dist.all_reduce(failed, group=self._stage_pg)
-        if failed.item():
-            raise error or ValueError("another rank refused this batch (see its error)")
+            vote(error, self._stage_pg, self._collective_device)
+        elif error is not None:
+            raise error
 
     def enter(self, prepared: StepInput) -> PlannedStep | None:
         self._entered += 1  # the distributed input stays in the step's context
@@ -387,6 +388,22 @@ def _merge(planned: list[PlannedStep | None]) -> PlannedStep | None:
     for step in steps:
         merged.merge(step)
     return merged
+
+
+def vote(error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Raise ``error`` on this rank, and on every other rank of ``group`` a refusal naming
+    it, if any rank has one (so all ranks drop a batch together)."""
+    if refusals(error, group, device).item():
+        raise error or ValueError("another rank refused this batch (see its error)")
+
+
+def refusals(error: ValueError | None, group: dist.ProcessGroup | None,
+             device: torch.device) -> torch.Tensor:  # fmt: skip
+    """How many ranks of ``group`` refuse: an all-reduce of a tensor on ``device``, the
+    device the group's backend takes (NCCL: CUDA only)."""
+    failed = torch.tensor([error is not None], dtype=torch.int64, device=device)
+    dist.all_reduce(failed, group=group)
+    return failed
 
 
 class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):

@@ -6,8 +6,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+
+import torchrec_lookahead.streams as streams
 
 __all__ = ["PlanExecutor"]
 
@@ -18,20 +21,18 @@ class PlanExecutor:
     """Runs each step's row moves in order, in one background thread.
 
     The trainer calls ``submit`` with the moves of step ``s`` at its issue point
-    (the start of step ``s - d``) and ``wait`` for them before step ``s`` runs. On
-    CUDA the moves run on a side stream that first waits for the trainer's
-    stream to reach the issue point, and step ``s`` waits for an event
-    recorded after its moves; on CPU the trainer's thread is the only ordering
-    needed. An exception in the worker is raised again by ``wait``.
+    (the start of step ``s - d``) and ``wait`` for them before step ``s`` runs.
+    The moves' device work runs on the device's side stream
+    (:mod:`~torchrec_lookahead.streams`), which first waits for the trainer's
+    stream to reach the issue point; step ``s`` waits for an event recorded
+    after its moves. An exception in the worker is raised again by ``wait``.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._stream = torch.cuda.Stream(device) if self._cuda else None
-        self._jobs: queue.Queue[tuple[int, list[Move], torch.cuda.Event | None] | None] = (
-            queue.Queue()
-        )
-        self._done: dict[int, torch.cuda.Event | None] = {}  # step -> event (CUDA) or None
+        self.device = device
+        self._side = streams.side_stream(device)
+        self._jobs: queue.Queue[tuple[int, list[Move], Any] | None] = queue.Queue()
+        self._done: dict[int, Any] = {}  # step -> the side stream's event after its moves
         self._applied = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lookahead-executor", daemon=True)
@@ -39,11 +40,7 @@ class PlanExecutor:
 
     def submit(self, step: int, moves: list[Move]) -> None:
         """Queue the moves of ``step``; call at its issue point, in step order."""
-        issue: torch.cuda.Event | None = None
-        if self._cuda:
-            issue = torch.cuda.Event()
-            issue.record()  # the trainer's stream has reached the issue point
-        self._jobs.put((step, moves, issue))
+        self._jobs.put((step, moves, streams.mark(self.device)))  # the issue point
 
     def wait(self, step: int) -> float:
         """Block until the moves of ``step`` have landed; returns seconds waited."""
@@ -54,8 +51,7 @@ class PlanExecutor:
             if step not in self._done:
                 raise RuntimeError("the cache executor failed") from self._error
             event = self._done.pop(step)
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+        self._side.current_waits(event)
         return time.perf_counter() - start
 
     def close(self) -> None:
@@ -71,16 +67,10 @@ class PlanExecutor:
         while (job := self._jobs.get()) is not None:
             step, moves, issue = job
             try:
-                with torch.cuda.stream(self._stream):
-                    if issue is not None and self._stream is not None:
-                        self._stream.wait_event(issue)
-                    for move in moves:
-                        move()
-                    landed: torch.cuda.Event | None = None
-                    if self._stream is not None:
-                        landed = torch.cuda.Event()
-                        landed.record(self._stream)
-                        self._stream.synchronize()  # write-backs are in host memory now
+                self._side.wait_for(issue)
+                for move in moves:
+                    move()
+                landed = self._side.record()
             except BaseException as error:  # handed to the trainer by wait()
                 with self._applied:
                     self._error = error

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+import torchrec_lookahead.streams as streams
 from torchrec_lookahead.checks import check_batch
 from torchrec_lookahead.settings import check_count
 from torchrec_lookahead.types import LookaheadModule, PlannedStep, StepContext
@@ -80,6 +81,7 @@ class LookaheadStage:
         self._features = dict(features)
         self._device = device
         self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=check_count("depth", depth, 1))
+        self._lane = streams.SideStream(device)  # the stage's own stream (none on the CPU)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._iter: Iterator[Any] | None = None
@@ -110,6 +112,19 @@ class LookaheadStage:
             except queue.Empty:
                 if not self._thread.is_alive() and self._queue.empty():
                     raise RuntimeError("the lookahead stage stopped without a word") from None
+
+    def hand_over(self, context: StepContext) -> None:
+        """Give the trainer ``context``'s batch: its stream waits for the stage's work on
+        it, and the batch's tensors (and a sharded module's distributed input) are marked
+        as used on it, so the caching allocator does not reuse their memory early."""
+        self._lane.current_waits(context.ready)
+        if self._device.type == "cpu":  # one stream: nothing to mark (no record_stream)
+            return
+        current = torch.get_device_module(self._device).current_stream(self._device)
+        for value in (context.batch, *(i.distributed for i in context.inputs.values())):
+            for part in value if isinstance(value, tuple) else (value,):
+                if hasattr(part, "record_stream"):
+                    part.record_stream(current)
 
     def close(self) -> None:
         """Stop the thread (idempotent). A thread blocked inside the loader or a collective
@@ -147,9 +162,13 @@ class LookaheadStage:
         except ValueError as error:  # voted on by the modules (DMP: on every rank)
             refusal = error
         try:
-            if refusal is None:
-                batch = batch.to(self._device, non_blocking=True)
-            return self._enter(batch, refusal)
+            with self._lane.context():  # the stage's device work, beside the trainer's
+                if refusal is None:
+                    batch = batch.to(self._device, non_blocking=True)
+                item = self._enter(batch, refusal)
+            if item.context is not None:
+                item.context.ready = self._lane.record()
+            return item
         except ValueError as refused:
             return StageItem(error=refused)
         except Exception as error:

@@ -169,6 +169,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._next_step += 1
 
         start = time.perf_counter()
+        self._stage.hand_over(context)
         for module in self._cached:
             module.begin_step(context)
         if self._model.training:

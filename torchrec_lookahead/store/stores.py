@@ -24,8 +24,12 @@ class HostStore:
     copied), so ``state_dict()`` reads the store directly once the cache has
     been written back. Optimizer state is allocated when the fused optimizer
     is known (:meth:`allocate_states`), zero like FBGEMM's, or wraps existing
-    state tensors (``states[t]``, per table). With a CUDA cache,
-    the tensors are pinned so that copies to and from the device can be async.
+    state tensors (``states[t]``, per table). With a CUDA cache (``pin``),
+    rows move through pinned staging buffers, so copies to and from the device
+    can be async while the tables themselves stay pageable (pinning whole tables
+    would copy each into page-locked memory, rounded up by the caching host
+    allocator). Under DMP on CUDA the store is FBGEMM's UVM TBE: its tensors
+    are CUDA tensors, and rows are gathered and scattered on their device.
     """
 
     reads_ahead = False  # whether read_ahead does anything (callers skip finding rows if not)
@@ -36,7 +40,7 @@ class HostStore:
         pin: bool = False,
         states: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> None:
-        self.weights = [w.detach() for w in weights]  # pinned by the owner when ``pin``
+        self.weights = [w.detach() for w in weights]
         self.states = [[s.detach() for s in table] for table in states or [[]] * len(weights)]
         self._pin = pin
 
@@ -59,21 +63,29 @@ class HostStore:
         ]
 
     def _zeros(self, table: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.zeros(shape, dtype=torch.float32, pin_memory=self._pin)
+        return torch.zeros(shape, dtype=torch.float32)
 
     def gather(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Rows ``ids`` of ``table``: weights and optimizer state, copied into new
-        buffers (pinned when the store is, so they can go to the device async)."""
+        """Rows ``ids`` of ``table``: weights and optimizer state, copied into new buffers
+        on each tensor's device (pinned host memory when the store is pinned, so they can
+        go to the device async; a UVM or device tensor, under DMP on CUDA, is read there)."""
         return self._rows(self.weights[table], ids), [
             self._rows(s, ids) for s in self.states[table]
         ]
 
-    def staging_rows(self, count: int, like: torch.Tensor) -> torch.Tensor:
-        """An empty host buffer of ``count`` rows shaped like those of ``like``."""
-        return torch.empty((count, *like.shape[1:]), dtype=like.dtype, pin_memory=self._pin)
+    def staging_rows(
+        self, count: int, like: torch.Tensor, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """An empty buffer of ``count`` rows shaped like those of ``like``, on ``device``
+        (default: ``like``'s), pinned if the store is and the buffer is host memory."""
+        device = device or like.device
+        pin = self._pin and device.type == "cpu"
+        return torch.empty((count, *like.shape[1:]), dtype=like.dtype, device=device,
+                           pin_memory=pin)  # fmt: skip
 
     def _rows(self, source: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return torch.index_select(source, 0, ids, out=self.staging_rows(len(ids), source))
+        index = ids.to(source.device, non_blocking=True)
+        return torch.index_select(source, 0, index, out=self.staging_rows(len(ids), source))
 
     def joined(self, tables: Sequence[int]) -> HostStore | None:
         """``tables`` as one table (their rows one after another, weights and each state),
@@ -93,10 +105,10 @@ class HostStore:
     def scatter(
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, states: Sequence[torch.Tensor]
     ) -> None:
-        """Overwrite rows ``ids`` of ``table`` with ``weights`` and optimizer ``states``."""
-        self.weights[table].index_copy_(0, ids, weights)
-        for dst, src in zip(self.states[table], states):
-            dst.index_copy_(0, ids, src)
+        """Overwrite rows ``ids`` of ``table`` with ``weights`` and optimizer ``states``
+        (each moved to its tensor's device first)."""
+        for dst, src in zip((self.weights[table], *self.states[table]), (weights, *states)):
+            dst.index_copy_(0, ids.to(dst.device), src.to(dst.device))
 
     def bytes_per_row(self, table: int) -> int:
         row = self.weights[table][0].numel() + sum(s[0].numel() for s in self.states[table])

@@ -1,0 +1,164 @@
+"""Step time on one GPU: every table in HBM, FBGEMM's UVM cache, and lookahead caching.
+
+DLRM on Criteo-shaped synthetic batches (26 tables of Criteo Kaggle's sizes
+times --scale, Zipf ids), row-wise Adagrad, under ``DistributedModelParallel``
+at world size 1 over NCCL, table-wise. The settings:
+
+* ``fused``: TorchRec with every table in HBM (the limit), ``TrainPipelineSparseDist``;
+* ``uvm-lru`` / ``uvm-lfu``: TorchRec's ``fused_uvm_caching`` (FBGEMM's LRU or LFU
+  cache of --cache-fractions of each table in HBM, the rest in UVM) with
+  ``PrefetchTrainPipelineSparseDist`` (one batch prefetched into the cache);
+* ``lookahead``: this project's sharder and pipeline at the same fractions.
+
+A figure is the median step time after --warmup steps (CUDA synchronised around
+each step), and the peak HBM allocated. Prints one table, writes
+``OUT/report.json``. Needs a GPU (``make gpu-check`` runs it); has not been run
+where this project is developed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from common import machine
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.train_pipelines import PrefetchTrainPipelineSparseDist
+from torchrec.distributed.types import CacheAlgorithm, CacheParams
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from torchrec_lookahead import (
+    LookaheadEmbeddingBagCollection,
+    LookaheadEmbeddingBagCollectionSharder,
+    LookaheadTrainPipeline,
+)
+from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
+
+ALGORITHMS = {"uvm-lru": CacheAlgorithm.LRU, "uvm-lfu": CacheAlgorithm.LFU}
+
+
+def settings(fractions: list[float]) -> list[tuple[str, float | None]]:
+    return [("fused", None)] + [(kind, f) for kind in ("uvm-lru", "uvm-lfu", "lookahead")
+                                for f in fractions]  # fmt: skip
+
+
+def build(kind: str, fraction: float | None, args: argparse.Namespace, device: torch.device):
+    data = SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed)
+    tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=args.dim, num_embeddings=rows,
+                                 feature_names=[name])
+              for name, rows in zip(feature_names(data), data.num_embeddings)]  # fmt: skip
+    meta = torch.device("meta")
+    if kind == "lookahead":
+        ebc = LookaheadEmbeddingBagCollection(tables, device=meta, cache_load_factor=fraction)
+        sharders = [LookaheadEmbeddingBagCollectionSharder()]
+    else:
+        ebc = EmbeddingBagCollection(tables, device=meta)
+        sharders = [EmbeddingBagCollectionSharder()]
+    torch.manual_seed(args.seed)
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+                           dense_arch_layer_sizes=[64, args.dim],
+                           over_arch_layer_sizes=[64, 32, 1], dense_device=device))  # fmt: skip
+    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(),
+                                {"lr": 0.05})  # fmt: skip
+    kernel = "fused" if kind == "fused" else "fused_uvm_caching"
+    cache = None
+    if kind in ALGORITHMS:
+        cache = CacheParams(algorithm=ALGORITHMS[kind], load_factor=fraction)
+    constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"],
+                                                compute_kernels=[kernel], cache_params=cache)
+                   for t in tables}  # fmt: skip
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cuda"),
+                                       batch_size=args.batch_size, constraints=constraints)
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.1))  # fmt: skip
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    if kind == "lookahead":
+        return LookaheadTrainPipeline(dmp, optimizer, device, lookahead=args.lookahead), data
+    if kind in ALGORITHMS:
+        return PrefetchTrainPipelineSparseDist(dmp, optimizer, device), data
+    return TrainPipelineSparseDist(dmp, optimizer, device), data
+
+
+def measure(kind: str, fraction: float | None, args: argparse.Namespace,
+            device: torch.device) -> dict:  # fmt: skip
+    torch.cuda.reset_peak_memory_stats(device)
+    pipeline, data = build(kind, fraction, args, device)
+    batches = iter([criteo_batch(data, s, args.batch_size) for s in range(args.steps)])
+    times = []
+    while True:
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        try:
+            pipeline.progress(batches)
+        except StopIteration:
+            break
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    steady = times[args.warmup:] or times
+    return {"setting": kind, "cache_fraction": fraction, "steps": len(times),
+            "step_ms": 1000 * statistics.median(steady),
+            "samples_per_s": args.batch_size / statistics.median(steady),
+            "peak_hbm_mb": torch.cuda.max_memory_allocated(device) / 2**20}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--scale", type=float, default=0.1)
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--lookahead", type=int, default=16)
+    p.add_argument("--cache-fractions", type=float, nargs="+", default=[0.02, 0.05, 0.10])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu.py: no CUDA device here; it needs a GPU", file=sys.stderr)
+        return 1
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    try:
+        results = [measure(kind, fraction, args, device) for kind, fraction in
+                   settings(args.cache_fractions)]  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    print(f"{'setting':>10}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}")
+    for r in results:
+        share = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.0%}"
+        print(f"{r['setting']:>10}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
+              f"{r['peak_hbm_mb']:>13,.0f}")  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine(), "gpu": torch.cuda.get_device_name(device),
+              "config": vars(args), "results": results}  # fmt: skip
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

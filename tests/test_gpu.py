@@ -1,0 +1,107 @@
+"""The CUDA path on a GPU (``make gpu-check``; not collected by ``make test``).
+
+Marked ``cuda``: they need a GPU and have not been run where this project is
+developed (there is none; see the README). They compare against all-resident
+training bitwise, with deterministic algorithms on (``testing.determinism``):
+FBGEMM's CUDA backward sums long segments in a nondeterministic order
+otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from models import (
+    DENSE_LR,
+    LR,
+    OPTIMIZERS,
+    TwoModuleModel,
+    assert_same_training_state,
+    batches,
+    lookahead_model,
+    session_batches,
+)
+
+from torchrec_lookahead import LookaheadTrainPipeline
+from torchrec_lookahead.testing.resident import FullyResidentEmbeddingBagCollection
+
+pytestmark = pytest.mark.cuda
+CUDA = torch.device("cuda", 0)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def on_cuda(batch):
+    return batch.to(CUDA)
+
+
+def cuda_model_and_twin(optimizer: str):
+    """The lookahead model with its cache on the GPU, and its all-resident twin there."""
+    cpu = lookahead_model(optimizer, cache_load_factor=0.05)
+    fused = {"optimizer": OPTIMIZERS[optimizer][1], "learning_rate": LR}
+    twin = TwoModuleModel(
+        FullyResidentEmbeddingBagCollection(cpu.unweighted, fused, CUDA),
+        FullyResidentEmbeddingBagCollection(cpu.weighted, fused, CUDA),
+    ).to(CUDA)
+    twin.over.load_state_dict(copy.deepcopy(cpu.over.state_dict()))
+    model = lookahead_model(optimizer, cache_load_factor=0.05, device=CUDA)
+    model.unweighted.load_state_dict(cpu.unweighted.state_dict())
+    model.weighted.load_state_dict(cpu.weighted.state_dict())
+    model.over.load_state_dict(copy.deepcopy(cpu.over.state_dict()))
+    model.over.to(CUDA)
+    return model, twin
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_unsharded_cuda_cache_matches_all_resident_training(dedup: bool, optimizer: str) -> None:
+    data = session_batches(40, session=4, dedup=True) if dedup else batches(40)
+    model, twin = cuda_model_and_twin(optimizer)
+    dense = torch.optim.SGD(twin.over.parameters(), lr=DENSE_LR)
+    expected = []
+    for batch in data:
+        dense.zero_grad()
+        loss, logits = twin(on_cuda(batch))
+        loss.backward()
+        dense.step()
+        expected.append(logits)
+    pipeline = LookaheadTrainPipeline(model, torch.optim.SGD(model.over.parameters(),
+                                      lr=DENSE_LR), CUDA, lookahead=8)  # fmt: skip
+    got, it = [], iter(data)
+    while True:
+        try:
+            got.append(pipeline.progress(it))
+        except StopIteration:
+            break
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert_same_training_state(model, twin)
+
+
+def test_dlrm_example_on_one_gpu_matches_plain_torchrec_through_a_checkpoint(tmp_path) -> None:
+    """DMP at world size 1 over NCCL (table-wise, the store a UVM TBE), a checkpoint
+    mid-run, resumed: the weights equal plain TorchRec's (``fused``) bitwise."""
+    common = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc_per_node=1", str(ROOT / "examples" / "dlrm" / "dlrm_main.py"),
+              "--scale", "0.001", "--synthetic_samples_per_day", "8192", "--batch_size", "256",
+              "--limit_val_batches", "2", "--limit_test_batches", "2",
+              "--data_cache", str(tmp_path / "data"), "--deterministic"]  # fmt: skip
+    first = subprocess.run(common + ["--out", str(tmp_path / "a"), "--limit_train_batches", "12",
+                                     "--save_dir", str(tmp_path / "ckpt")],
+                           capture_output=True, text=True)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = subprocess.run(common + ["--out", str(tmp_path / "b"), "--limit_train_batches",
+                                       "24", "--save_dir", str(tmp_path / "ckpt"), "--resume"],
+                             capture_output=True, text=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole = subprocess.run(common + ["--out", str(tmp_path / "c"), "--limit_train_batches", "24",
+                                     "--baseline"], capture_output=True, text=True)  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert summary["weights_match"] is True
+    resumed_digest = json.loads((tmp_path / "b" / "summary.json").read_text())["weights_digest"]
+    assert resumed_digest == summary["weights_digest"]
