@@ -3,8 +3,10 @@
 Every private name, override and patch the project needs is here, each with
 why no public API serves; the rest of the project uses public API only, and
 reaches these through the base classes and functions below. Checked on
-torch 2.13 / FBGEMM 1.8 / TorchRec 1.8 (the pinned set, ``requirements/``);
-a TorchRec release that moves one of these breaks this module alone.
+torch 2.13 / FBGEMM 1.8 / TorchRec 1.8 (``requirements/cpu.txt``) and on
+torch 2.14.1 / FBGEMM 1.9.0 / TorchRec 1.9.2 (``requirements/compat.txt``,
+``make test-compat``): every name below is in both, with the same meaning. A
+release that moves one of them breaks this module alone.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ def split_pooled_tables(
     FBGEMM has no constructor argument for this (its table map is the storage
     map), so the buffers it derives from the map are rewritten.
     """
+    if getattr(tbe, "enable_raw_embedding_streaming", False):
+        raise ValueError("raw embedding streaming (FBGEMM) is not supported with lookahead "
+                         "caching: it keeps state built from the table map this rewrites")
     entries, total, last = [], 0, None
     for table, pool in zip(feature_tables, feature_pools):
         if last is not None and table != last[0]:
