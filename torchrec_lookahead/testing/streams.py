@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -36,6 +36,10 @@ class DeferredSideStream(streams.SideStream):
     def run(self, work: Callable[[], None]) -> None:
         with self._lock:
             self._queue.append(work)
+
+    def context(self) -> AbstractContextManager[Any]:
+        """A block's work runs at once on the CPU: nothing to direct anywhere."""
+        return nullcontext()
 
     def record(self) -> Any:
         with self._lock:
