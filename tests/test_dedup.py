@@ -73,11 +73,14 @@ def test_gather_bags_expands_bitwise_as_fbgemm_does() -> None:
 
 
 def test_deduplicate_keeps_each_shared_bag_once_and_expands_back() -> None:
+    features = deduplicate(PLAIN[0].sparse_features, USER_KEYS)
     counts = DedupCounts()
-    features = deduplicate(PLAIN[0].sparse_features, USER_KEYS, counts)
+    counts.add(features)
     strides = dict(zip(features.keys(), features.stride_per_key()))
     assert [strides[k] for k in KEYS] == [8, 32, 8, 32, 8, 32]  # 32 samples, sessions of 4
-    assert counts.ids_after < counts.ids_before and counts.bags_after == 3 * 8 + 3 * 32
+    assert counts.ids_after == features.values().numel() < PLAIN[0].sparse_features.values().numel()
+    assert counts.ids_before == PLAIN[0].sparse_features.values().numel()
+    assert counts.bags_after == 3 * 8 + 3 * 32 and counts.bags_before == 6 * 32
     names, inverse = features.inverse_indices()
     assert names == KEYS and inverse.shape == (6, 32)
     assert torch.equal(inverse[0], torch.arange(32) // SESSION)  # first-seen order
@@ -197,7 +200,8 @@ def test_bad_deduplicated_batches_are_refused_and_training_goes_on(changes, mess
 def test_a_batch_without_shared_bags_stays_plain() -> None:
     counts = DedupCounts()
     features = session_batches(1, 1, dedup=False)[0].sparse_features
-    assert deduplicate(features, USER_KEYS, counts) is features
+    assert deduplicate(features, USER_KEYS) is features
+    counts.add(features)
     assert counts.ids_before == counts.ids_after == features.values().numel()
 
 

@@ -57,7 +57,8 @@ def _summary_row(stdout: str, label: str) -> str:
 
 def test_deduplicated_sessions_match_plain_torchrec_and_report_savings(tmp_path: Path) -> None:
     done, summary = run(tmp_path, *TINY, "--limit_train_batches", "20", "--baseline",
-                        "--session_size", "8", "--dedup", ranks=2)  # fmt: skip
+                        "--session_size", "8", "--dedup", "--num_workers", "1",
+                        ranks=2)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert summary["weights_match"] is True
     look, base = summary["runs"]
@@ -101,20 +102,29 @@ def test_trains_on_raw_criteo_tsv_days(tmp_path: Path) -> None:
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
-    whole, whole_summary = run(tmp_path / "whole", *TINY, "--limit_train_batches", "24",
+    """Shuffled, with loader workers: a run stopped at step 13 and resumed (without workers)
+    ends bitwise where an uninterrupted run ends, reading only the steps after 13."""
+    shuffled = [*TINY, "--shuffle", "--shuffle_chunk", "1000"]
+    whole, whole_summary = run(tmp_path / "whole", *shuffled, "--limit_train_batches", "24",
                                "--save_dir", str(tmp_path / "ckpt-whole"),
-                               "--checkpoint_every", "10")  # fmt: skip
+                               "--checkpoint_every", "10", "--num_workers", "2")  # fmt: skip
     assert whole.returncode == 0, whole.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "ckpt-whole").iterdir())
     assert names == ["latest", "step_00000010", "step_00000020", "step_00000024"]
-    first, _ = run(tmp_path / "first", *TINY, "--limit_train_batches", "13",
-                   "--save_dir", str(tmp_path / "ckpt"))  # fmt: skip
+    first, _ = run(tmp_path / "first", *shuffled, "--limit_train_batches", "13",
+                   "--save_dir", str(tmp_path / "ckpt"), "--num_workers", "1")  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
-    second, resumed = run(tmp_path / "second", *TINY, "--limit_train_batches", "24",
+    second, resumed = run(tmp_path / "second", *shuffled, "--limit_train_batches", "24",
                           "--save_dir", str(tmp_path / "ckpt"), "--resume")  # fmt: skip
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step 13" in second.stdout
     assert resumed["weights_digest"] == whole_summary["weights_digest"]
+    # The loader gave the 11 steps left (and then its end): the first 13 were not read.
+    assert len(resumed["runs"][0]["loader_wait_s"]) == 11 + 1
+    other_order, _ = run(tmp_path / "other", *TINY, "--shuffle", "--limit_train_batches", "24",
+                         "--save_dir", str(tmp_path / "ckpt"), "--resume")  # fmt: skip
+    assert other_order.returncode == 1
+    assert "error: the checkpoint's data position does not fit this run" in other_order.stderr
 
 
 def bad_npy_folder(tmp: Path) -> str:
@@ -141,7 +151,7 @@ def bad_npy_folder(tmp: Path) -> str:
         (["--interaction_type", "dcn", "--dcn_low_rank_dim", "0"], 2, "--dcn_low_rank_dim"),
         (["--embedding_dim", "6", "--dense_arch_layer_sizes", "64,6"], 2, "multiple of 4"),
         (["--dataset_path", "EMPTY"], 1, "found neither"),
-        (["--dataset_path", "BAD_NPY"], 1, "expected dense [N, 13], sparse [N, 26]"),
+        (["--dataset_path", "BAD_NPY"], 1, "expected dense [N, 13] float32, sparse [N, 26]"),
         (["--lookahead", "0"], 2, "--lookahead must be at least 1"),
         (["--cache_load_factor", "1.5"], 2, "--cache_load_factor must be in (0, 1]"),
         (["--resume"], 2, "need --save_dir"),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import json
 import logging
 import math
@@ -34,6 +33,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -94,17 +94,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import torchmetrics  # noqa: E402
 from checkpoint import Checkpointer, latest  # noqa: E402
-from data import (  # noqa: E402
-    DataError,
-    SyntheticSpec,
-    day_files,
-    deduplicated,
-    loader,
-    rank_slices,
-    real_days,
-    synthetic_days,
-)
+from data import USER_FEATURES, SyntheticSpec, real_days, synthetic_days  # noqa: E402
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES  # noqa: E402
+from torchrec.datasets.utils import Batch  # noqa: E402
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
 from torchrec.distributed.model_parallel import DistributedModelParallel  # noqa: E402
 from torchrec.distributed.planner import (  # noqa: E402
@@ -128,7 +120,15 @@ from torchrec_lookahead import (  # noqa: E402
     LookaheadTrainPipeline,
 )
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo  # noqa: E402
+from torchrec_lookahead.data.criteo import (  # noqa: E402
+    CriteoDayReader,
+    DayFiles,
+    SampleOrder,
+    find_days,
+    stage_samples,
+)
 from torchrec_lookahead.data.dedup import DedupCounts  # noqa: E402
+from torchrec_lookahead.data.npy import DataError  # noqa: E402
 from torchrec_lookahead.store.files import anonymous_rss_bytes  # noqa: E402
 from torchrec_lookahead.testing.determinism import deterministic_cuda  # noqa: E402
 
@@ -162,7 +162,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="day_<i>_{dense,sparse,labels}.npy or raw Criteo TSV days",
     )
-    p.add_argument("--shuffle_batches", action="store_true")
+    p.add_argument("--shuffle", action="store_true",
+                   help="train in a seeded order: chunks of --shuffle_chunk samples in a random "
+                        "order, samples within each chunk too (same on every rank and restart)")
+    p.add_argument("--shuffle_chunk", type=int, default=2**20, help="samples; the shuffle's memory")
+    p.add_argument("--num_workers", type=int, default=0,
+                   help="DataLoader worker processes reading, building and deduplicating batches "
+                        "(0: the lookahead stage's thread does it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print_sharding_plan", action="store_true")
     # Synthetic data (when no --dataset_path).
@@ -236,8 +242,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "synthetic_samples_per_day", "test_batch_size", "limit_train_batches",
                  "limit_val_batches", "limit_test_batches", "checkpoint_every",
                  "session_size", "dcn_num_layers", "dcn_low_rank_dim",
-                 "plan_sample_batches"):  # fmt: skip
+                 "plan_sample_batches", "shuffle_chunk"):  # fmt: skip
         positive(name)
+    if args.num_workers < 0:
+        p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     for name in ("scale", "zipf", "learning_rate", "cache_budget_mb"):
         positive_number(name)
     positive_number("step_compute_ms", allow_zero=True)
@@ -411,7 +419,7 @@ def attempt_store() -> dict:
     }
 
 
-def dataset(args: argparse.Namespace, rank: int) -> list[tuple[str, str, str]]:
+def dataset(args: argparse.Namespace, rank: int) -> list[DayFiles]:
     if args.dataset_path:
         folder = real_days(args.dataset_path) if rank == 0 else None
     else:
@@ -421,7 +429,7 @@ def dataset(args: argparse.Namespace, rank: int) -> list[tuple[str, str, str]]:
         folder = synthetic_days(spec, Path(args.data_cache)) if rank == 0 else None
     shared = [str(folder) if folder else None]
     dist.broadcast_object_list(shared, src=0)  # rank 0 generated or converted it
-    return day_files(Path(shared[0]))
+    return find_days(shared[0])
 
 
 def tables(args: argparse.Namespace) -> list[EmbeddingBagConfig]:
@@ -438,11 +446,10 @@ def cache_planner(args, days, world_size: int, device: torch.device):
 
     from planners import LookaheadCacheStatistics, lookahead_planner
 
-    per_rank = [
-        list(itertools.islice(train_batches(args, days, r, world_size, DedupCounts(), False),
-                              args.plan_sample_batches))
-        for r in range(world_size)
-    ]  # fmt: skip
+    per_rank = []
+    for r in range(world_size):
+        train = reader(args, days, "train", r, world_size)
+        per_rank.append([train[s] for s in range(min(args.plan_sample_batches, len(train)))])
     stats = {
         t.name: LookaheadCacheStatistics(
             [torch.cat([b.sparse_features[t.feature_names[0]].values() for b in step])
@@ -525,6 +532,7 @@ class Run:
     checkpoint_stall_s: list[float] = field(default_factory=list)  # per save, slowest rank
     private_mb: float = 0.0  # the most anonymous RSS seen (sampled every 20 steps), rank 0
     dedup: DedupCounts = field(default_factory=DedupCounts)  # --dedup: what it saved, rank 0
+    loader_wait_s: list[float] = field(default_factory=list)  # per batch read, rank 0
 
     @property
     def steady_samples_per_s(self) -> float:
@@ -536,21 +544,43 @@ class Run:
         per_step = self.samples / len(self.step_s) if self.step_s else 0
         return per_step * (len(self.step_s) - 1) / later if later > 0 else 0.0
 
+    @property
+    def loader_wait_ms_per_step(self) -> float:
+        """Mean wait for a batch after the first (which starts the loader's workers)."""
+        later = self.loader_wait_s[1:]
+        return 1000 * sum(later) / len(later) if later else 0.0
 
-def train_batches(args, days, rank: int, world_size: int, counts: DedupCounts, shuffle: bool):
-    """This rank's share of each global batch (--batch_size per rank) over --epochs,
-    deduplicated with --dedup (``counts`` sums the ids and bags it saves).
 
-    Every rank reads the global batches and keeps its slice, so global step s
-    holds the same samples at any world size: a run can continue at another
-    world size (see docs/guides/failures.md).
+def reader(args, days: list[DayFiles], stage: str, rank: int, world_size: int) -> CriteoDayReader:
+    """This rank's reader of ``stage`` (train, val or test).
+
+    A global step holds ``--batch_size`` (evaluation: ``--test_batch_size``)
+    samples per rank, and rank ``r`` reads its ``r``-th share of it: so global
+    step s holds the same samples at any world size, and a run can continue at
+    another world size (see docs/guides/failures.md). Training runs --epochs
+    passes, in --shuffle's seeded order if asked, deduplicated with --dedup.
     """
-    batches = itertools.chain.from_iterable(
-        loader(days, "train", args.batch_size * world_size, 0, 1, args.num_embeddings, shuffle)
-        for _ in range(args.epochs)
-    )  # fmt: skip
-    batches = rank_slices(batches, rank, world_size)
-    return deduplicated(batches, counts) if args.dedup else batches
+    first, samples = stage_samples(days, stage)
+    train = stage == "train"
+    batch_size = args.batch_size if train else args.test_batch_size or args.batch_size
+    order = SampleOrder(first, samples, batch_size * world_size, args.epochs if train else 1,
+                        args.seed if train and args.shuffle else None, args.shuffle_chunk)
+    return CriteoDayReader(days, order, rank, world_size, args.num_embeddings,
+                           USER_FEATURES if train and args.dedup else None)  # fmt: skip
+
+
+def metered(batches: Iterator[Batch], run: Run, dedup: bool) -> Iterator[Batch]:
+    """``batches``, timing each wait for one (``run.loader_wait_s``: on the lookahead
+    stage's thread, the time it waited for data) and counting what --dedup saved."""
+    while True:
+        start = time.perf_counter()
+        batch = next(batches, None)
+        run.loader_wait_s.append(time.perf_counter() - start)
+        if batch is None:
+            return
+        if dedup:
+            run.dedup.add(batch.sparse_features)
+        yield batch
 
 
 def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start_step: int,
@@ -564,11 +594,15 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
                                           prefetch_distance=args.prefetch_distance)  # fmt: skip
     else:
         pipeline = TrainPipelineSparseDist(dmp, optimizer, device)
-    batches = train_batches(args, days, rank, world_size, run.dedup, args.shuffle_batches)
-    total = args.limit_train_batches
-    batches = itertools.islice(batches, start_step, total)
-    bar = tqdm(desc=f"train {name}", total=None if total is None else total - start_step,
-               unit="step", disable=rank != 0)  # fmt: skip
+    train_reader = reader(args, days, "train", rank, world_size)
+    total = min(args.limit_train_batches or len(train_reader), len(train_reader))
+    if start_step > total:
+        raise ValueError(f"--resume: the checkpoint is at step {start_step}, past this run's "
+                         f"{total} steps")  # fmt: skip
+    loader = train_reader.loader(start_step, total, args.num_workers)
+    batches = metered(iter(loader), run, args.dedup)  # workers start here, on this thread
+    bar = tqdm(desc=f"train {name}", total=total - start_step, unit="step",
+               disable=rank != 0)  # fmt: skip
     step, first_stage_s = start_step, 0.0
     dmp.train()
     while True:
@@ -593,7 +627,8 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
         bar.update()
         fail_here(args, rank, "step", step)
         if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
-            checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step))
+            checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step,
+                                            train_reader.state_dict(step)))
     bar.close()
     run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
     if lookahead:
@@ -612,25 +647,29 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
             "planning_ms_per_step": 1000 * metrics.plan_s / steps,
         }
         if checkpointer:
-            checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step))
+            checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step,
+                                            train_reader.state_dict(step)))
     else:
         pipeline.detach()  # TorchRec's pipeline rewrote the forward; give it back for eval
     return run
 
 
-def checkpoint_state(dmp, optimizer, step: int) -> dict:
-    return {"model": dmp.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+def checkpoint_state(dmp, optimizer, step: int, data: dict | None = None) -> dict:
+    """What a checkpoint holds; ``data`` is the training reader's position (its
+    ``state_dict``), kept as JSON."""
+    return {"model": dmp.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+            "data": json.dumps(data)}  # fmt: skip
 
 
 def evaluate(args, dmp, days, stage: str, rank, world_size, device) -> float:
     """AUROC over ``stage`` (val or test); the lookahead model reads its current weights."""
     limit = args.limit_val_batches if stage == "val" else args.limit_test_batches
     auroc = torchmetrics.AUROC(task="binary").to(device)
-    batches = loader(days, stage, args.test_batch_size or args.batch_size, rank, world_size,
-                     args.num_embeddings)  # fmt: skip
+    evaluated = reader(args, days, stage, rank, world_size)
+    batches = evaluated.loader(0, min(limit or len(evaluated), len(evaluated)), args.num_workers)
     dmp.eval()
     with torch.no_grad():
-        for batch in itertools.islice(batches, limit):
+        for batch in batches:
             _, (_, logits, labels) = dmp(batch.to(device))
             auroc.update(torch.sigmoid(logits), labels.int())
     dmp.train()
@@ -693,7 +732,8 @@ def run(args: argparse.Namespace) -> int:
                              f"this model ({type(error).__name__}); resume with the flags that "
                              "wrote it") from error  # fmt: skip
         if path:
-            start_step = state["step"]
+            start_step = reader(args, days, "train", rank, world_size).resume_step(
+                json.loads(state["data"]))  # the data set and order it was trained on
             if rank == 0:
                 print(f"resumed from {path} at step {start_step}")
 
@@ -749,6 +789,7 @@ def cells(run: Run, embedding_dim: int) -> dict[str, str]:
         "planning CPU ms / step": f"{cache['planning_ms_per_step']:.2f}" if cache else "-",
         "plan wait ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
         "private memory MB": f"{run.private_mb:,.0f}",
+        "loader wait ms / step": f"{run.loader_wait_ms_per_step:.3f}",
         **dedup_cells(run, embedding_dim),
         "checkpoint stall ms / save": (
             f"{1000 * statistics.median(run.checkpoint_stall_s):.1f}"
@@ -798,7 +839,9 @@ def report(args, runs: list[Run], same: bool | None, digest: str, world_size: in
     print(f"{'weights digest':>26}  {digest}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"config": {k: v for k, v in vars(args).items()}, "runs": [asdict(r) for r in runs],
+    summary = {"config": {k: v for k, v in vars(args).items()},
+               "runs": [{**asdict(r), "loader_wait_ms_per_step": r.loader_wait_ms_per_step}
+                        for r in runs],
                "weights_match": same, "weights_digest": digest, "world_size": world_size,
                "cache_rows": cache_rows, "rows": rows}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

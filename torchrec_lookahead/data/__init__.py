@@ -1,4 +1,5 @@
-"""Data for lookahead caching: Criteo-shaped synthetic id streams."""
+"""Data for lookahead caching: Criteo-shaped synthetic id streams, and Criteo days of any
+size read in bounded memory (:mod:`.criteo`, :mod:`.tsv`, :mod:`.npy`)."""
 
 from torchrec_lookahead.data.synthetic import (
     CRITEO_KAGGLE_TABLE_SIZES,

@@ -33,10 +33,24 @@ class DedupCounts:
         """Share of the ids deduplication removed."""
         return 1 - self.ids_after / self.ids_before if self.ids_before else 0.0
 
+    def add(self, features: KeyedJaggedTensor) -> None:
+        """Count one batch as it is sent, plain or deduplicated: what it carries, and
+        what its plain form would (every key's bags expanded by its inverse indices).
+        Counting from the batch lets it be deduplicated elsewhere (a loader's worker)."""
+        lengths = features.lengths()
+        self.ids_after += int(lengths.sum())
+        self.bags_after += lengths.numel()
+        if not features.variable_stride_per_key():
+            self.ids_before += int(lengths.sum())
+            self.bags_before += lengths.numel()
+            return
+        _, inverse = features.inverse_indices()
+        per_key = torch.split(lengths, features.stride_per_key())
+        self.ids_before += sum(int(key[rows].sum()) for key, rows in zip(per_key, inverse))
+        self.bags_before += inverse.numel()
 
-def deduplicate(
-    features: KeyedJaggedTensor, keys: Sequence[str], counts: DedupCounts | None = None
-) -> KeyedJaggedTensor:
+
+def deduplicate(features: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJaggedTensor:
     """``features`` in TorchRec's deduplicated form for ``keys``.
 
     Samples whose bags agree on every key of ``keys`` (a user's features) share
@@ -61,8 +75,6 @@ def deduplicate(
     group = [names.index(k) for k in keys]
     first, inverse = _shared_bags(values, lengths[group], starts[group])
     if len(first) == batch:  # no sample shares: the plain batch, without variable-batch costs
-        if counts is not None:
-            _count(counts, len(values), len(values), lengths.size, lengths.size)
         return features
     # Keep every bag of the other keys and each shared bag's first sample (``first`` is in
     # sample order), key by key as the values lie.
@@ -72,8 +84,6 @@ def deduplicate(
     pick = np.repeat(kept.reshape(-1), lengths.reshape(-1))
     inverse_rows = np.tile(np.arange(batch), (len(names), 1))
     inverse_rows[group] = inverse
-    if counts is not None:
-        _count(counts, len(values), int(pick.sum()), lengths.size, int(kept.sum()))
     return KeyedJaggedTensor(
         keys=names,
         values=torch.from_numpy(values[pick]),
@@ -82,13 +92,6 @@ def deduplicate(
         stride_per_key_per_rank=[[int(n)] for n in kept.sum(axis=1)],
         inverse_indices=(names, torch.from_numpy(inverse_rows)),
     )
-
-
-def _count(counts: DedupCounts, ids: int, ids_kept: int, bags: int, bags_kept: int) -> None:
-    counts.ids_before += ids
-    counts.ids_after += ids_kept
-    counts.bags_before += bags
-    counts.bags_after += bags_kept
 
 
 def _shared_bags(
