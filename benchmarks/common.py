@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -47,17 +47,28 @@ def pinned_rows_needed(stream: list[np.ndarray], prefetch_distance: int) -> int:
 
 
 def run_example(
-    work: Path, world_size: int, flags: Sequence[str], restarts: int = 0
+    work: Path,
+    world_size: int,
+    flags: Sequence[str],
+    restarts: int = 0,
+    watch: Callable[[int], None] | None = None,
 ) -> tuple[float, dict]:
     """One ``torchrun`` job of the DLRM example, its ``--out`` a new folder below ``work``;
-    returns the job's wall seconds and its summary (``summary.json``)."""
+    returns the job's wall seconds and its summary (``summary.json``). ``watch`` is
+    called with the launcher's pid every 0.1 s while the job runs."""
     out = Path(tempfile.mkdtemp(dir=work))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world_size}", f"--max-restarts={restarts}", EXAMPLE,
            "--out", str(out), *flags]  # fmt: skip
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    with tempfile.TemporaryFile("w+") as stderr:
+        job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        while job.poll() is None:
+            if watch is not None:
+                watch(job.pid)
+            time.sleep(0.1)
+        seconds = time.perf_counter() - start
+        if job.returncode != 0:
+            stderr.seek(0)
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{stderr.read()[-3000:]}")
     return seconds, json.loads((out / "summary.json").read_text())

@@ -116,3 +116,23 @@ def test_batch_check_report_times_both_checks(tmp_path: Path) -> None:
         (c, b) for c in ("structure", "ids") for b in (64, 128)}  # fmt: skip
     assert all(len(r["ms_runs"]) == 2 and r["ms"] > 0 for r in results)
     assert {r["ids"] for r in results if r["batch_size"] == 64} == {64 * 26}
+
+
+def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "data.py"), "--out", str(tmp_path),
+           "--data-dir", str(data), "--small-gb", "0.01", "--large-gb", "0.02", "--days", "3",
+           "--scale", "0.001", "--batch-size", "128", "--steps", "12", "--world-sizes", "1",
+           "--workers", "0", "1", "--repeats", "1", "--shuffle-chunk", "1024"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "Data larger than memory" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    results = {(r["data"], r["num_workers"]): r for r in report["results"]}
+    assert set(results) == {(d, w) for d in ("small", "large") for w in (0, 1)}
+    assert all(r["samples_per_s"] > 0 and r["rank_private_mb"][0] > 100 for r in results.values())
+    assert results["large", 1]["worker_private_mb"][0] > 0  # the loader's worker, seen
+    assert results["large", 0]["worker_private_mb"][0] == 0
+    assert results["large", 0]["samples"] > results["small", 0]["samples"]
+    memory = report["goals"]["private_memory_large_over_small"]
+    assert set(memory) == {"ws1_workers0", "ws1_workers1"}
+    assert not any(data.iterdir()), "the data sets must be removed"

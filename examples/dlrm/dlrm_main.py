@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -569,15 +570,22 @@ def reader(args, days: list[DayFiles], stage: str, rank: int, world_size: int) -
                            USER_FEATURES if train and args.dedup else None)  # fmt: skip
 
 
-def metered(batches: Iterator[Batch], run: Run, dedup: bool) -> Iterator[Batch]:
-    """``batches``, timing each wait for one (``run.loader_wait_s``: on the lookahead
-    stage's thread, the time it waited for data) and counting what --dedup saved."""
-    while True:
-        start = time.perf_counter()
+def metered(batches: Iterator[Batch], run: Run, dedup: bool, read: CriteoDayReader,
+            start: int) -> Iterator[Batch]:  # fmt: skip
+    """``batches`` (steps ``start, start + 1, ...`` of ``read``), timing the wait for each
+    (``run.loader_wait_s``) and counting what --dedup saved.
+
+    The wait is how long after it was asked for the reader finished the batch (0 if
+    it had it ready): the time the lookahead stage waited for data. (Not the wall
+    time of the call: the stage's thread runs at idle priority and shares the
+    interpreter with the trainer, so its calls take long for reasons not the data's.)
+    """
+    for step in itertools.count(start):
+        asked = time.monotonic()
         batch = next(batches, None)
-        run.loader_wait_s.append(time.perf_counter() - start)
         if batch is None:
             return
+        run.loader_wait_s.append(max(0.0, read.finished_at(step) - asked))
         if dedup:
             run.dedup.add(batch.sparse_features)
         yield batch
@@ -600,7 +608,7 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
         raise ValueError(f"--resume: the checkpoint is at step {start_step}, past this run's "
                          f"{total} steps")  # fmt: skip
     loader = train_reader.loader(start_step, total, args.num_workers)
-    batches = metered(iter(loader), run, args.dedup)  # workers start here, on this thread
+    batches = metered(iter(loader), run, args.dedup, train_reader, start_step)  # workers start
     bar = tqdm(desc=f"train {name}", total=total - start_step, unit="step",
                disable=rank != 0)  # fmt: skip
     step, first_stage_s = start_step, 0.0
