@@ -119,8 +119,8 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "step 13" in second.stdout
     assert resumed["weights_digest"] == whole_summary["weights_digest"]
-    # The loader gave the 11 steps left (and then its end): the first 13 were not read.
-    assert len(resumed["runs"][0]["loader_wait_s"]) == 11 + 1
+    # The loader gave the 11 steps left: the first 13 were not read.
+    assert len(resumed["runs"][0]["loader_wait_s"]) == 11
     other_order, _ = run(tmp_path / "other", *TINY, "--shuffle", "--limit_train_batches", "24",
                          "--save_dir", str(tmp_path / "ckpt"), "--resume")  # fmt: skip
     assert other_order.returncode == 1
