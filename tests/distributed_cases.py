@@ -24,6 +24,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingType
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -65,6 +66,16 @@ def tables() -> list[EmbeddingBagConfig]:
                            feature_names=[names[i]])
         for i, n in enumerate(SIZES)
     ]  # fmt: skip
+
+
+class RowWiseOnCpuSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's sharder with its CUDA-only gate on row-wise sharding lifted: the plain
+    TorchRec baseline for row-wise and table-row-wise tables on the CPU."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        row_wise = [ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value]
+        return types + [t for t in row_wise if t not in types]
 
 
 def build(ebc, sharders, case: Case, world_size: int, planner=None):
@@ -128,7 +139,7 @@ def rank_data_and_baseline(case: Case, rank: int, world_size: int):
         batches = [deduplicated_sessions(b, case.session) for b in batches]
     baseline = build(
         EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
-        [EmbeddingBagCollectionSharder()], case, world_size,
+        [RowWiseOnCpuSharder()], case, world_size,
     )  # fmt: skip
     return batches, baseline
 
@@ -161,7 +172,7 @@ def bad_inverse_indices(batch: Batch) -> Batch:
 
 def check(case: Case, rank: int, world_size: int) -> None:
     batches, (base, base_opt, base_plan) = rank_data_and_baseline(case, rank, world_size)
-    sharders = [LookaheadEmbeddingBagCollectionSharder()]
+    sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     store_dir = tempfile.mkdtemp(prefix="lookahead-store-") if case.store_dir else None
     ebc = LookaheadEmbeddingBagCollection(
         tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor,
@@ -219,7 +230,7 @@ def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
         assert len(md.chunks) > world_size, "a table larger than a chunk was saved whole"
         assert all(c.sizes.numel() * 4 <= chunk_bytes for c in md.chunks)
     fresh = build(EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
-                  [EmbeddingBagCollectionSharder()], case, world_size)  # fmt: skip
+                  [RowWiseOnCpuSharder()], case, world_size)  # fmt: skip
     state = {"model": fresh[0].state_dict(), "optim": fresh[1].state_dict()}
     dcp.load(state, checkpoint_id=path[0], planner=StreamingLoadPlanner())
     fresh[0].load_state_dict(state["model"])
@@ -401,6 +412,28 @@ def check_malformed_batches(rank: int, world_size: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert_equal_states(base.state_dict(), look.state_dict(), "weights")
     assert_equal_states(base_opt.state_dict()["state"], look_opt.state_dict()["state"], "optim")
+
+
+def check_row_wise_refuses_deduplicated_batches(rank: int, world_size: int) -> None:
+    """Deduplicated batches cannot reach row-wise shards over gloo (their outputs need an
+    uneven reduce-scatter): every one is refused clearly on every rank, none trains."""
+    case = Case("row_wise", "sgd", 4)
+    data = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=100 + rank)
+    batches = [deduplicated_sessions(criteo_batch(data, s, BATCH), 4) for s in range(5)]
+    ebc = LookaheadEmbeddingBagCollection(tables=tables(), device=torch.device("meta"),
+                                          cache_load_factor=case.cache_load_factor)  # fmt: skip
+    sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
+    look, look_opt, _ = build(ebc, sharders, case, world_size)
+    refused: list[str] = []
+    got = train(LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=4),
+                batches, refused)  # fmt: skip
+    assert got == [] and len(refused) == len(batches), refused
+    assert all("cannot reach row-wise shards over gloo" in m for m in refused), refused
+
+
+def row_wise_deduplicated_worker(rank: int, world_size: int, port: int) -> None:
+    _in_process_group(rank, world_size, port,
+                      lambda: check_row_wise_refuses_deduplicated_batches(rank, world_size))
 
 
 def malformed_worker(rank: int, world_size: int, port: int) -> None:

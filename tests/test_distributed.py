@@ -12,6 +12,7 @@ from distributed_cases import (
     integration_worker,
     malformed_worker,
     planned_worker,
+    row_wise_deduplicated_worker,
     worker,
 )
 
@@ -34,6 +35,28 @@ def test_canonical_use_matches_plain_torchrec(world_size: int, sharding_type: st
         [Case(sharding_type, optimizer, lookahead, stage_thread=lookahead > 1)
          for optimizer in OPTIMIZERS for lookahead in (1, 16)],
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("sharding_type", ["row_wise", "table_row_wise"])
+def test_row_wise_on_the_cpu_matches_plain_torchrecs_row_wise(sharding_type: str) -> None:
+    """TorchRec shards row-wise only on CUDA; the lookahead sharder also on the CPU (gloo),
+    bitwise equal to TorchRec's own row-wise path with that gate lifted."""
+    spawn(2, [Case(sharding_type, optimizer, 16, stage_thread=True) for optimizer in OPTIMIZERS])
+
+
+def test_the_sharder_offers_torchrecs_types_and_row_wise_on_the_cpu_when_asked() -> None:
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from torchrec_lookahead import LookaheadEmbeddingBagCollectionSharder
+
+    plain = set(EmbeddingBagCollectionSharder().sharding_types("cpu")) - {"data_parallel"}
+    assert set(LookaheadEmbeddingBagCollectionSharder().sharding_types("cpu")) == plain
+    asked = LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True).sharding_types("cpu")
+    assert set(asked) == plain | {"row_wise", "table_row_wise"}
+
+
+def test_row_wise_over_gloo_refuses_deduplicated_batches_clearly() -> None:
+    mp.spawn(row_wise_deduplicated_worker, args=(2, free_port()), nprocs=2)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -233,6 +233,13 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             where = f"rank{kwargs['env'].rank}/{kwargs.get('module_fqn') or 'module'}"
             self._store_files = StoreFiles.create_subdir(module.store_dir, where)
         self._stage_pg: dist.ProcessGroup | None = None
+        row_wise = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value}
+        self._row_wise_on_gloo = (
+            any(p.sharding_type in row_wise
+                for p in kwargs["table_name_to_parameter_sharding"].values())
+            and dist.is_initialized()
+            and dist.get_backend(kwargs["env"].process_group) == "gloo"
+        )  # fmt: skip
         # Collectives take tensors of the device the sharded module computes on (NCCL: CUDA).
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self._stage_input_dists: list[torch.nn.Module] = []
@@ -295,7 +302,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         every rank, so all ranks drop it together and their collectives stay
         in step.
         """
-        self._agree(refusal or self._check_ids(features))  # before the collective
+        self._agree(refusal or self._check_ids(features) or self._check_strides(features))
         start = time.thread_time()
         ctx = self.create_context()
         self.use_input_dists(self._stage_input_dists or None)  # this thread's: the stage's
@@ -324,6 +331,15 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             )  # fmt: skip
         except ValueError as error:
             return error
+        return None
+
+    def _check_strides(self, features: KeyedJaggedTensor) -> ValueError | None:
+        if self._row_wise_on_gloo and features.variable_stride_per_key():
+            return ValueError(
+                "a deduplicated (variable-batch) batch cannot reach row-wise shards over gloo: "
+                "their outputs need a reduce-scatter of uneven parts, which gloo lacks; shard "
+                "these tables table- or column-wise, or send plain batches"
+            )
         return None
 
     def _agree(self, error: ValueError | None) -> None:
@@ -409,10 +425,25 @@ def refusals(error: ValueError | None, group: dist.ProcessGroup | None,
 class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """Shards ``LookaheadEmbeddingBagCollection`` with lookahead-cached fused kernels.
 
-    Offers every sharding type TorchRec has on the device except data-parallel
-    (a replicated table has no single owner to cache it; keep small replicated
-    tables in a plain ``EmbeddingBagCollection``).
+    Offers the sharding types TorchRec's sharder offers on the device except
+    data-parallel (a replicated table has no single owner to cache it; keep
+    small replicated tables in a plain ``EmbeddingBagCollection``), so a planner
+    gives a lookahead model the plan it gives plain TorchRec, and the same
+    results. TorchRec shards row-wise only on CUDA (from when gloo had no
+    reduce-scatter); ``cpu_row_wise=True`` offers row-wise and table-row-wise on
+    the CPU too, exact against TorchRec's own row-wise path. Over gloo a
+    deduplicated batch cannot reach row-wise shards (their outputs would need a
+    reduce-scatter of uneven parts, which gloo lacks): it is refused.
     """
+
+    def __init__(
+        self,
+        fused_params: dict[str, Any] | None = None,
+        qcomm_codecs_registry: dict[str, Any] | None = None,
+        cpu_row_wise: bool = False,
+    ) -> None:
+        super().__init__(fused_params, qcomm_codecs_registry)
+        self.cpu_row_wise = cpu_row_wise
 
     def shard(
         self,
@@ -434,7 +465,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = [ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE]
-        if compute_device_type == "cuda":
+        if compute_device_type == "cuda" or self.cpu_row_wise:
             types += [ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE]
         return [t.value for t in types]
 
