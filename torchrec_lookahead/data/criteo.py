@@ -210,7 +210,7 @@ def _chunk_order(
     return order, np.cumsum(sizes)
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=3)  # the chunk being read, the next, the one being dropped
 def _within_chunk(seed: int, epoch: int, chunk: int, size: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, chunk]).permutation(size)
 
@@ -255,9 +255,9 @@ class CriteoDayReader(Dataset):
     (:func:`~torchrec_lookahead.data.dedup.deduplicate`), in the worker.
 
     Memory: the days are mapped (page cache, not private memory); a process
-    holds the permutation of one chunk. When a process starts on a chunk it asks
-    the kernel to read its samples of the next chunk, and it drops from the
-    page cache the chunk it read two chunks ago.
+    holds the permutations of at most three chunks. When a process starts on a
+    chunk it asks the kernel to read its samples of the next chunk, and it
+    drops from the page cache the chunk it read two chunks ago.
     """
 
     def __init__(
