@@ -55,6 +55,33 @@ def test_the_sharder_offers_torchrecs_types_and_row_wise_on_the_cpu_when_asked()
     assert set(asked) == plain | {"row_wise", "table_row_wise"}
 
 
+def test_a_row_wise_plan_with_an_empty_shard_is_refused_before_sharding() -> None:
+    import torch
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from torchrec_lookahead import (
+        LookaheadEmbeddingBagCollection,
+        LookaheadEmbeddingBagCollectionSharder,
+    )
+
+    tables = [EmbeddingBagConfig(name=f"t{rows}", embedding_dim=8, num_embeddings=rows,
+                                 feature_names=[f"f{rows}"]) for rows in (1, 100)]  # fmt: skip
+    module = LookaheadEmbeddingBagCollection(tables, device=torch.device("meta"))
+    sharder = LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)
+    row_wise = {t.name: ParameterConstraints(sharding_types=["row_wise"]) for t in tables}
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=2, compute_device="cpu"), constraints=row_wise
+    ).plan(module, [sharder])
+    with pytest.raises(ValueError, match=r"table t1: the plan gives ranks \[1\] no rows of it"):
+        sharder.shard(module, plan.plan[""], ShardingEnv(world_size=2, rank=0, pg=None))
+
+
 def test_row_wise_over_gloo_refuses_deduplicated_batches_clearly() -> None:
     mp.spawn(row_wise_deduplicated_worker, args=(2, free_port()), nprocs=2)
 

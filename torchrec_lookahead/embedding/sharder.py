@@ -453,6 +453,17 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedLookaheadEmbeddingBagCollection:
+        for name, sharding in params.items():
+            shards = sharding.sharding_spec.shards if sharding.sharding_spec else []
+            empty = [rank for rank, shard in zip(sharding.ranks or [], shards)
+                     if shard.shard_sizes[0] == 0]  # fmt: skip
+            if empty:
+                raise ValueError(
+                    f"table {name}: the plan gives ranks {empty} no rows of it "
+                    f"({sharding.sharding_type}, {sum(s.shard_sizes[0] for s in shards)} rows); "
+                    "a lookahead cache needs rows on every shard: shard it table-wise, or over "
+                    "fewer ranks than it has rows"
+                )
         return ShardedLookaheadEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
