@@ -9,6 +9,7 @@ import torch.multiprocessing as mp
 from distributed_cases import (
     OPTIMIZERS,
     Case,
+    hot_rows_worker,
     integration_worker,
     malformed_worker,
     planned_worker,
@@ -112,3 +113,14 @@ def test_malformed_batches_on_one_rank_are_refused_on_every_rank() -> None:
 
 def test_canonical_use_with_the_lookahead_planner_matches_plain_torchrec() -> None:
     mp.spawn(planned_worker, args=(2, free_port()), nprocs=2)
+
+
+@pytest.mark.parametrize(
+    ("sharding_type", "optimizers"),
+    [("table_wise", list(OPTIMIZERS)), ("row_wise", ["rowwise_adagrad"])],
+)
+def test_replicated_hot_rows_train_like_plain_torchrec(sharding_type: str, optimizers) -> None:
+    """Hot rows looked up locally, their gradients summed across ranks, the update through
+    FBGEMM on every replica: plain TorchRec's results within a measured bound."""
+    cases = [Case(sharding_type, o, 8, steps=60, stage_thread=True) for o in optimizers]
+    mp.spawn(hot_rows_worker, args=(2, free_port(), cases), nprocs=2, join=True)

@@ -339,6 +339,12 @@ class GatheredOutput(VariableBatchEmbeddingBagCollectionAwaitable):
 # ------------------------------------------------------------ torch.distributed
 
 
+def in_backward() -> bool:
+    """Whether this thread runs an autograd backward node now (torch tells only through
+    the private ``torch._C._current_autograd_node``)."""
+    return torch._C._current_autograd_node() is not None
+
+
 def fake_cuda_tensors() -> Any:
     """torch's ``FakeTensorMode`` (tensors without data, CUDA ones on a CPU build; device
     mismatches raise as on a GPU): the tests check the CUDA path with it. It lives in the

@@ -162,10 +162,11 @@ class PreparedStep:
 class StepInput:
     """What a module's ``prepare`` made of a batch: per cached group, the batch checked
     for it; under DMP also the batch as distributed to this rank (TorchRec's context and
-    input), which the step's forward consumes."""
+    input), which the step's forward consumes, and its hot part for the replicated rows."""
 
     groups: list[PreparedStep]
     distributed: tuple[Any, Any] | None = None
+    replicated: Any = None  # a HotStep (embedding.replicated), with replicated hot rows
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import DataType
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import (
     FusedKernelBase,
@@ -41,11 +42,21 @@ from torchrec_lookahead._compat import (
 from torchrec_lookahead.cache.tables import CachedTables
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.embedding.replicated import (
+    HotStep,
+    ReplicaMetrics,
+    ReplicatedRows,
+    RowRange,
+)
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import ORACLE_ROW_BYTES, HostStore, MmapStore
 from torchrec_lookahead.types import CacheSizing, PlannedStep, StepContext, StepInput, Window
-from torchrec_lookahead.variable_batch import gather_bags, tbe_batch_sizes
+from torchrec_lookahead.variable_batch import (
+    VARIABLE_BATCH_OPTIMIZERS,
+    gather_bags,
+    tbe_batch_sizes,
+)
 
 __all__ = [
     "LookaheadEmbeddingBagCollectionSharder",
@@ -103,11 +114,34 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
                         (t.fused_params or {}).get("cache_load_factor"))
             for t in config.embedding_tables
         ]  # fmt: skip
+        self.store = store
+        self.table_names = [t.name for t in config.embedding_tables]
+        self.row_starts = [_row_offset(t) for t in config.embedding_tables]
+        self.replicas: ReplicatedRows | None = None  # hot rows, folded into this shard's store
         self.cached = CachedTables(
             [t.name for t in config.embedding_tables], self.local_rows, self.local_cols,
             self.feature_table_map, table_slots, store, optimizer, device, self.pooling, params,
         )  # fmt: skip
-        self.use_fused_optimizer(CacheAwareFusedOptimizer(config, self.store_tbe, pg, self.cached))
+        self.use_fused_optimizer(CacheAwareFusedOptimizer(config, self.store_tbe, pg, self))
+
+    def write_back(self) -> None:
+        """Make the store current: the cache's updated rows, then the replicas of the
+        shards' hot rows (which the owner's cache never sees)."""
+        self.cached.write_back()
+        if self.replicas is None:
+            return
+        for table, (name, start, rows) in enumerate(
+            zip(self.table_names, self.row_starts, self.local_rows)
+        ):
+            folded = self.replicas.fold(name, start, start + rows)
+            if folded is not None:
+                ids, weights, states = folded
+                self.store.scatter(table, torch.from_numpy(ids), weights, states)
+
+    def read_rows(self, table: int, ids: np.ndarray) -> list[torch.Tensor]:
+        """Local rows ``ids`` of table ``table`` from the store: weights, then optimizer state."""
+        weights, states = self.store.gather(table, torch.from_numpy(ids))
+        return [weights, *states]
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.cached.step_running:
@@ -128,8 +162,14 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
                 "a lookahead-cached table trains through LookaheadTrainPipeline; call the "
                 "model directly only in eval mode or under torch.no_grad()"
             )
-        self.cached.write_back()
+        self.write_back()
         return super().forward(features, *args, **kwargs)  # the store TBE: current weights
+
+
+def _row_offset(table: Any) -> int:
+    """The first row of a table's shard (0 for a whole table)."""
+    metadata = getattr(table, "local_metadata", None)
+    return int(metadata.shard_offsets[0]) if metadata is not None else 0
 
 
 def _store_buffers(config: GroupedEmbeddingConfig, files: StoreFiles, prefix: str) -> dict:
@@ -161,20 +201,23 @@ class CacheAwareFusedOptimizer(FusedOptimizerBase):
     """TorchRec's fused optimizer over the store TBE, kept in step with the cache.
 
     Its state tensors are the store's: reading them (``state``, which
-    ``CombinedOptimizer`` and ``state_dict()`` go through) writes the cache back
-    first, and loading them reloads the cached rows' weights and state.
+    ``CombinedOptimizer`` and ``state_dict()`` go through) writes the cache
+    (and the replicas of hot rows) back first, and loading them reloads the
+    cached rows' weights and state (the replicas reload at the next attach).
     """
 
-    def __init__(self, config, emb_module, pg, cached: CachedTables) -> None:  # noqa: ANN001
-        self._cached = cached
+    def __init__(self, config, emb_module, pg, kernel: LookaheadFusedEmbeddingBag) -> None:  # noqa: ANN001
+        self._kernel = kernel
         super().__init__(config, emb_module, pg)
 
     def before_state_read(self) -> None:
-        self._cached.write_back()
+        self._kernel.write_back()
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
-        self._cached.cache.refresh(states=True)
+        self._kernel.cached.cache.refresh(states=True)
+        if self._kernel.replicas is not None:
+            self._kernel.replicas.loaded = False
 
 
 class LookaheadPooledEmbeddingsLookup(LookupBase):
@@ -250,7 +293,60 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._feature_rows = {
             f: t.num_embeddings for t in self.embedding_bag_configs() for f in t.feature_names
         }
+        self._replicas = self._make_replicas(module.hot_rows) if module.hot_rows else None
+        self._running_hot: HotStep | None = None
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
+
+    def _make_replicas(self, hot: dict[str, np.ndarray]) -> ReplicatedRows:
+        """The hot rows' replicas on this rank, laid out like the plan's shards of them."""
+        infos = {info.embedding_config.name: info
+                 for per_type in self.sharding_type_to_sharding_infos.values()
+                 for info in per_type}  # fmt: skip
+        whole_rows = {ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value,
+                      ShardingType.TABLE_ROW_WISE.value}  # fmt: skip
+        shards = {}
+        for name in hot:
+            sharding = infos[name].param_sharding
+            if sharding.sharding_type not in whole_rows:
+                raise ValueError(f"table {name}: hot rows are replicated whole, and the plan "
+                                 f"splits its columns ({sharding.sharding_type}); shard it "
+                                 "table- or row-wise, or give it no hot rows")  # fmt: skip
+            shards[name] = [RowRange(md.placement.rank(), md.shard_offsets[0],
+                                     md.shard_offsets[0] + md.shard_sizes[0])
+                            for md in sharding.sharding_spec.shards]  # fmt: skip
+        params = dict(infos[next(iter(hot))].fused_params or {})
+        optimizer = params.pop("optimizer")
+        kernels = self.kernels
+        learning_rate = (kernels[0].store_tbe.get_learning_rate if kernels
+                         else lambda: float(params.get("learning_rate", 0.01)))  # fmt: skip
+        configs = self.embedding_bag_configs()
+        replicas = ReplicatedRows(
+            hot, [f for t in configs for f in t.feature_names],
+            [t.name for t in configs for _ in t.feature_names], shards, configs[0].embedding_dim,
+            optimizer, params, self._collective_device, learning_rate,
+        )  # fmt: skip
+        for kernel in kernels:
+            kernel.replicas = replicas
+        # The cold ids travel as a variable batch (bags of hot ids only dropped) where
+        # TorchRec's sharding and FBGEMM's kernel take one.
+        self._cold_variable_batch = not self._row_wise_on_gloo and (
+            self._collective_device.type == "cpu" or optimizer in VARIABLE_BATCH_OPTIMIZERS
+        )
+        return replicas
+
+    @property
+    def kernels(self) -> list[LookaheadFusedEmbeddingBag]:
+        """This rank's lookahead kernels (one per group of its shards)."""
+        return [kernel for lookup in self.lookups for kernel in lookup.kernels]
+
+    @property
+    def replica_metrics(self) -> ReplicaMetrics | None:
+        """What the replicated hot rows served (``None`` without hot rows)."""
+        return None if self._replicas is None else self._replicas.metrics
+
+    def replica_rows(self) -> list[torch.Tensor]:
+        """The replicas of the hot rows on this rank: weights, then optimizer state."""
+        return [] if self._replicas is None else [self._replicas.weights, *self._replicas.states]
 
     @property
     def store_files(self) -> StoreFiles | None:
@@ -271,7 +367,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
 
     @property
     def cached_groups(self) -> list[CachedTables]:
-        return [kernel.cached for lookup in self.lookups for kernel in lookup.kernels]
+        return [kernel.cached for kernel in self.kernels]
 
     def input_dists_created(self) -> None:
         self._bind_stage_input_dists()
@@ -289,6 +385,13 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         for group in self.cached_groups:
             group.attach(window)
         self._entered = 0
+        if self._replicas is not None:  # a collective: each shard's hot rows from its owner
+            stores = {(name, start): partial(kernel.read_rows, table)
+                      for kernel in self.kernels
+                      for table, (name, start) in enumerate(zip(kernel.table_names,
+                                                                kernel.row_starts))}  # fmt: skip
+            self._replicas.group = self.env.process_group
+            self._replicas.load(stores, self.env.process_group)
 
     def prepare(
         self, features: KeyedJaggedTensor, refusal: ValueError | None = None
@@ -304,6 +407,14 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         """
         self._agree(refusal or self._check_ids(features) or self._check_strides(features))
         start = time.thread_time()
+        hot = None
+        if self._replicas is not None:
+            if not self._replicas.loaded:
+                raise RuntimeError("the replicated hot rows were not loaded since the "
+                                   "tables were: build the pipeline (it attaches) after loading")
+            features, hot = self._replicas.split(
+                features, self._cold_variable_batch, self._stage_pg, self._collective_device
+            )
         ctx = self.create_context()
         self.use_input_dists(self._stage_input_dists or None)  # this thread's: the stage's
         try:
@@ -319,7 +430,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         except ValueError as caught:
             error = caught
         self._agree(error)
-        return StepInput(prepared, (ctx, distributed))
+        return StepInput(prepared, (ctx, distributed), hot)
 
     def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
         unchecked = np.iinfo(np.int64).max  # features of other modules
@@ -334,6 +445,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         return None
 
     def _check_strides(self, features: KeyedJaggedTensor) -> ValueError | None:
+        if self._replicas is not None and features.variable_stride_per_key():
+            return ValueError("a deduplicated (variable-batch) batch cannot be split for "
+                              "replicated hot rows; send plain batches, or build the "
+                              "collection without hot_rows")  # fmt: skip
         if self._row_wise_on_gloo and features.variable_stride_per_key():
             return ValueError(
                 "a deduplicated (variable-batch) batch cannot reach row-wise shards over gloo: "
@@ -364,10 +479,11 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         for group in self.cached_groups:
             group.begin_step(context.planned)
         self._running_input = context.inputs[self].distributed
+        self._running_hot = context.inputs[self].replicated
 
     def write_back(self) -> None:
-        for group in self.cached_groups:
-            group.write_back()
+        for kernel in self.kernels:
+            kernel.write_back()
 
     def cache_metrics(self) -> dict[str, CacheMetrics]:
         """Counters per table, summed over this rank's shards of it."""
@@ -382,9 +498,16 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._running_input is None:
             return super().forward(*args, **kwargs)  # eval: kernels read the store
-        ctx, distributed = self._running_input
-        self._running_input = None
-        return GatheredOutput.adopt(self.compute_and_output_dist(ctx, distributed), gather_bags)
+        (ctx, distributed), hot = self._running_input, self._running_hot
+        self._running_input = self._running_hot = None
+        output = GatheredOutput.adopt(self.compute_and_output_dist(ctx, distributed), gather_bags)
+        if hot is None:
+            return output
+        assert self._replicas is not None
+        pooled = self._replicas.lookup(hot)  # while the cold outputs travel
+        cold = output.wait()
+        values = cold.values() + self._replicas.in_order(pooled, cold.keys())
+        return KeyedTensor(keys=cold.keys(), length_per_key=cold.length_per_key(), values=values)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.write_back()
@@ -393,6 +516,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
     def _reload_caches(self) -> None:
         for group in self.cached_groups:
             group.cache.refresh()
+        if self._replicas is not None:  # reloaded from the owners at the next attach
+            self._replicas.loaded = False
 
 
 def _merge(planned: list[PlannedStep | None]) -> PlannedStep | None:

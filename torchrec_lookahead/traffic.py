@@ -1,0 +1,135 @@
+"""Bytes the embedding collectives send, counted where ``torch.distributed`` sends them.
+
+:class:`CollectiveBytes` wraps the collectives TorchRec's and this project's
+embedding modules call (``all_to_all_single``, ``all_reduce``, ``broadcast``,
+``all_gather_into_tensor``, ``reduce_scatter_tensor``) while it is active, and
+adds up what each rank sends to the others, by kind:
+
+* ``ids``: integer tensors (ids, lengths, splits: the input all-to-all);
+* ``pooled``: float tensors sent in a forward (pooled embeddings to their samples);
+* ``gradients``: float tensors sent in a backward (their gradients back to the owners);
+* ``hot_sync``: what the replicated hot rows exchange (sent under :func:`label`);
+* ``other``: the rest sent under :func:`label` (the vote on a refused batch: 8 bytes).
+
+What a rank sends: an all-to-all, its input less its own part; a ring
+all-reduce, ``2 (W - 1) / W`` of the tensor; a broadcast from it, the tensor
+to each other rank; a ring all-gather or reduce-scatter, ``(W - 1) / W`` of
+the whole. Dense data-parallel gradients (DDP's reducer, in C++) are not seen;
+they are the same with and without lookahead caching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchrec_lookahead._compat import in_backward
+
+__all__ = ["KINDS", "CollectiveBytes", "label"]
+
+KINDS = ("ids", "pooled", "gradients", "hot_sync", "other")
+_LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("traffic_label", default=None)
+
+
+@contextlib.contextmanager
+def label(kind: str) -> Iterator[None]:
+    """Count the collectives called inside as ``kind``."""
+    token = _LABEL.set(kind)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class CollectiveBytes:
+    """Bytes this rank sends through ``torch.distributed`` collectives, by kind.
+
+    Use as a context manager (one at a time per process); ``bytes`` holds the
+    totals, ``calls`` the number of collectives counted.
+    """
+
+    _active: CollectiveBytes | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.bytes = dict.fromkeys(KINDS, 0)
+        self.calls = 0
+        self._originals: dict[str, Callable[..., Any]] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    def _add(self, tensor: torch.Tensor, sent: int) -> None:
+        kind = _LABEL.get()
+        if kind is None:
+            if not tensor.is_floating_point():
+                kind = "ids"
+            else:  # a float tensor sent while autograd runs a backward node is a gradient
+                kind = "gradients" if in_backward() else "pooled"
+        with self._lock:
+            self.bytes[kind] += sent
+            self.calls += 1
+
+    def _all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: ANN001
+                           group=None, **kwargs):  # fmt: skip
+        world, rank = _world(group), dist.get_rank(group)
+        rows = input.shape[0] if input.dim() else 0
+        per_row = _nbytes(input) // rows if rows else 0
+        own = (input_split_sizes[rank] if input_split_sizes else rows // world) * per_row
+        self._add(input, _nbytes(input) - own)
+        return self._originals["all_to_all_single"](
+            output, input, output_split_sizes, input_split_sizes, group, **kwargs
+        )
+
+    def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, **kwargs):  # noqa: ANN001
+        world = _world(group)
+        self._add(tensor, 2 * (world - 1) * _nbytes(tensor) // world)
+        return self._originals["all_reduce"](tensor, op, group, **kwargs)
+
+    def _broadcast(self, tensor, src=None, group=None, **kwargs):  # noqa: ANN001
+        world = _world(group)
+        sending = dist.get_rank() == src
+        self._add(tensor, (world - 1) * _nbytes(tensor) if sending else 0)
+        return self._originals["broadcast"](tensor, src, group, **kwargs)
+
+    def _all_gather_into_tensor(self, output, input, group=None, **kwargs):  # noqa: ANN001
+        self._add(input, (_world(group) - 1) * _nbytes(input))
+        return self._originals["all_gather_into_tensor"](output, input, group, **kwargs)
+
+    def _reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, **kwargs):  # noqa: ANN001
+        world = _world(group)
+        self._add(input, (world - 1) * _nbytes(input) // world)
+        return self._originals["reduce_scatter_tensor"](output, input, op, group, **kwargs)
+
+    def __enter__(self) -> CollectiveBytes:
+        with CollectiveBytes._lock:
+            if CollectiveBytes._active is not None:
+                raise RuntimeError("collectives are being counted already")
+            CollectiveBytes._active = self
+        for name in ("all_to_all_single", "all_reduce", "broadcast", "all_gather_into_tensor",
+                     "reduce_scatter_tensor"):  # fmt: skip
+            self._originals[name] = getattr(dist, name)
+            setattr(dist, name, getattr(self, f"_{name}"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+        with CollectiveBytes._lock:
+            CollectiveBytes._active = None
