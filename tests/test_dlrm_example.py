@@ -38,9 +38,19 @@ def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
     done, summary = run(tmp_path, *TINY, *interaction, "--limit_train_batches", "30",
                         "--baseline", "--adagrad", ranks=ranks)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert summary["weights_match"] is True and summary["world_size"] == ranks
+    assert summary["world_size"] == ranks
     look, base = summary["runs"]
-    assert look["auroc"] == base["auroc"] and 0 < look["auroc"]["val"] < 1
+    if ranks == 1:
+        assert summary["weights_match"] is True and look["auroc"] == base["auroc"]
+    else:  # hot rows replicated (by default): their gradients add up in another order
+        assert look["hot_share"] > 0.5 and "hot rows:" in done.stdout
+        assert summary["weights_max_difference"] <= 1e-4  # measured: 2.8e-5
+        for stage in ("val", "test"):
+            assert round(look["auroc"][stage], 4) == round(base["auroc"][stage], 4)
+        embedding = [sum(v for k, v in r["bytes_per_step"].items() if k != "dense")
+                     for r in (look, base)]  # fmt: skip
+        assert look["bytes_per_step"]["hot_sync"] > 0 and embedding[0] < embedding[1] / 2
+    assert 0 < look["auroc"]["val"] < 1
     assert 0 < look["cache"]["hit_rate"] < 1 and len(look["hit_rate"]) == 30
     assert "final weights match" in done.stdout and (tmp_path / "out" / "training.png").exists()
     # Steady samples/s leaves out the first step (the window's fill, warm-up).

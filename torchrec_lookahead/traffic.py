@@ -9,13 +9,15 @@ adds up what each rank sends to the others, by kind:
 * ``pooled``: float tensors sent in a forward (pooled embeddings to their samples);
 * ``gradients``: float tensors sent in a backward (their gradients back to the owners);
 * ``hot_sync``: what the replicated hot rows exchange (sent under :func:`label`);
-* ``other``: the rest sent under :func:`label` (the vote on a refused batch: 8 bytes).
+* ``other``: the rest sent under :func:`label` (the vote on a refused batch: 8 bytes);
+* ``data_parallel`` and ``dense``: the gradient all-reduces of a model's
+  ``DistributedDataParallel`` part (DMP puts data-parallel tables there, beside
+  the dense layers), seen through a DDP comm hook (:func:`count_data_parallel`).
 
 What a rank sends: an all-to-all, its input less its own part; a ring
 all-reduce, ``2 (W - 1) / W`` of the tensor; a broadcast from it, the tensor
 to each other rank; a ring all-gather or reduce-scatter, ``(W - 1) / W`` of
-the whole. Dense data-parallel gradients (DDP's reducer, in C++) are not seen;
-they are the same with and without lookahead caching.
+the whole.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ import torch.distributed as dist
 
 from torchrec_lookahead._compat import in_backward
 
-__all__ = ["KINDS", "CollectiveBytes", "label"]
+__all__ = ["EMBEDDING_KINDS", "KINDS", "CollectiveBytes", "count_data_parallel", "label"]
 
-KINDS = ("ids", "pooled", "gradients", "hot_sync", "other")
+KINDS = ("ids", "pooled", "gradients", "hot_sync", "other", "data_parallel", "dense")
+EMBEDDING_KINDS = KINDS[:-1]  # what the embeddings send (everything but the dense layers')
 _LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("traffic_label", default=None)
+_UNCOUNTED = "uncounted"  # a collective counted already (DDP's, by its hook)
 
 
 @contextlib.contextmanager
@@ -58,8 +62,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class CollectiveBytes:
     """Bytes this rank sends through ``torch.distributed`` collectives, by kind.
 
-    Use as a context manager (one at a time per process); ``bytes`` holds the
-    totals, ``calls`` the number of collectives counted.
+    Use as a context manager (one at a time per process, entered as often as
+    wanted); ``bytes`` holds the totals by kind, ``calls`` the collectives counted.
     """
 
     _active: CollectiveBytes | None = None
@@ -67,23 +71,34 @@ class CollectiveBytes:
 
     def __init__(self) -> None:
         self.bytes = dict.fromkeys(KINDS, 0)
-        self.calls = 0
+        self.calls = dict.fromkeys(KINDS, 0)
         self._originals: dict[str, Callable[..., Any]] = {}
 
     @property
-    def total(self) -> int:
-        return sum(self.bytes.values())
+    def embedding_total(self) -> int:
+        """Everything the embeddings sent (the dense layers' all-reduce left out)."""
+        return sum(self.bytes[kind] for kind in EMBEDDING_KINDS)
 
     def _add(self, tensor: torch.Tensor, sent: int) -> None:
         kind = _LABEL.get()
+        if kind == _UNCOUNTED:
+            return
         if kind is None:
             if not tensor.is_floating_point():
                 kind = "ids"
             else:  # a float tensor sent while autograd runs a backward node is a gradient
                 kind = "gradients" if in_backward() else "pooled"
+        self.count(kind, sent)
+
+    def count(self, kind: str, sent: int) -> None:
         with self._lock:
             self.bytes[kind] += sent
-            self.calls += 1
+            self.calls[kind] += 1
+
+    @classmethod
+    def active(cls) -> CollectiveBytes | None:
+        """The counter counting now, if any."""
+        return cls._active
 
     def _all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: ANN001
                            group=None, **kwargs):  # fmt: skip
@@ -133,3 +148,28 @@ class CollectiveBytes:
         self._originals.clear()
         with CollectiveBytes._lock:
             CollectiveBytes._active = None
+
+
+def count_data_parallel(model: torch.nn.Module) -> None:
+    """Count the gradient all-reduces of ``model``'s ``DistributedDataParallel`` parts
+    whenever a :class:`CollectiveBytes` is active: ``data_parallel`` for embedding
+    tables' parameters (names holding "embedding"), ``dense`` for the rest. Installs
+    DDP's own all-reduce hook (gradients divided by the world size, then summed)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    for ddp in [m for m in model.modules() if isinstance(m, DistributedDataParallel)]:
+        tables = {id(p) for name, p in ddp.named_parameters() if "embedding" in name}
+
+        def hook(group, bucket, tables=tables):  # noqa: ANN001, ANN202
+            # (no annotations: DDP checks them, and this module's are strings)
+            counter = CollectiveBytes.active()
+            if counter is not None:
+                world = _world(group)
+                for param in bucket.parameters():
+                    kind = "data_parallel" if id(param) in tables else "dense"
+                    counter.count(kind, 2 * (world - 1) * _nbytes(param) // world)
+            with label(_UNCOUNTED):
+                return allreduce_hook(group, bucket)
+
+        ddp.register_comm_hook(ddp.process_group, hook)

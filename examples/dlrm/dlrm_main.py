@@ -132,6 +132,12 @@ from torchrec_lookahead.data.dedup import DedupCounts  # noqa: E402
 from torchrec_lookahead.data.npy import DataError  # noqa: E402
 from torchrec_lookahead.store.files import anonymous_rss_bytes  # noqa: E402
 from torchrec_lookahead.testing.determinism import deterministic_cuda  # noqa: E402
+from torchrec_lookahead.traffic import (  # noqa: E402
+    EMBEDDING_KINDS,
+    KINDS,
+    CollectiveBytes,
+    count_data_parallel,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -190,7 +196,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--store_dir", type=str, default=None,
                    help="keep the full tables in files in this existing directory "
                         "(for tables larger than RAM); one subdirectory per rank")  # fmt: skip
+    p.add_argument("--no_hot_rows", action="store_true",
+                   help="replicate no rows across ranks (by default, with several ranks, the rows "
+                        "whose replicas save bytes per step, as planners/hot.py finds them on "
+                        "--plan_sample_batches batches)")  # fmt: skip
+    p.add_argument("--hot_budget_mb", type=float, default=None,
+                   help="memory for the replicated hot rows on each rank (default: every row "
+                        "that saves bytes)")  # fmt: skip
     p.add_argument("--baseline", action="store_true", help="also train plain TorchRec and compare")
+    p.add_argument("--torchrec_plan", action="store_true",
+                   help="plan the --baseline model with TorchRec's planner as it likes (data-"
+                        "parallel small tables, ...), not table-wise like the lookahead model; "
+                        "it then starts from its own weights (benchmarks/comm.py)")  # fmt: skip
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic CUDA algorithms, so runs compare bitwise (implied by "
                         "--baseline; the CPU is deterministic already)")  # fmt: skip
@@ -441,25 +458,37 @@ def tables(args: argparse.Namespace) -> list[EmbeddingBagConfig]:
     ]  # fmt: skip
 
 
-def cache_planner(args, days, world_size: int, device: torch.device):
-    """``lookahead_planner`` sized from the first training batches of every rank (read locally)."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
-    from planners import LookaheadCacheStatistics, lookahead_planner
-
+def sample_ids(args, days, world_size: int) -> dict[str, list[torch.Tensor]]:
+    """Per table, the ids of the first --plan_sample_batches global steps (every rank's
+    share of a step together, read locally): what the planners measure."""
     per_rank = []
     for r in range(world_size):
         train = reader(args, days, "train", r, world_size)
         per_rank.append([train[s] for s in range(min(args.plan_sample_batches, len(train)))])
-    stats = {
-        t.name: LookaheadCacheStatistics(
-            [torch.cat([b.sparse_features[t.feature_names[0]].values() for b in step])
-             for step in zip(*per_rank)],
-            t.num_embeddings, args.lookahead, args.prefetch_distance, t.name,
-        )
+    return {
+        t.name: [torch.cat([b.sparse_features[t.feature_names[0]].values() for b in step])
+                 for step in zip(*per_rank)]
         for t in tables(args)
     }  # fmt: skip
-    optimizer = EmbOptimType.EXACT_ROWWISE_ADAGRAD if args.adagrad else EmbOptimType.EXACT_SGD
+
+
+def embedding_optimizer(args):  # noqa: ANN201
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return EmbOptimType.EXACT_ROWWISE_ADAGRAD if args.adagrad else EmbOptimType.EXACT_SGD
+
+
+def cache_planner(args, days, world_size: int, device: torch.device):
+    """``lookahead_planner`` sized from the first training batches of every rank (read locally)."""
+    from planners import LookaheadCacheStatistics, lookahead_planner
+
+    samples = sample_ids(args, days, world_size)
+    stats = {
+        t.name: LookaheadCacheStatistics(samples[t.name], t.num_embeddings, args.lookahead,
+                                         args.prefetch_distance, t.name)
+        for t in tables(args)
+    }  # fmt: skip
+    optimizer = embedding_optimizer(args)
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
     table_wise = {t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables(args)}
     return lookahead_planner(
@@ -468,15 +497,32 @@ def cache_planner(args, days, world_size: int, device: torch.device):
     )  # fmt: skip
 
 
-def build(args, lookahead: bool, world_size: int, device: torch.device, planner=None):
-    """The DLRM training model under DMP, with the fused embedding optimizer configured."""
+def hot_rows(args, days, world_size: int):  # noqa: ANN201
+    """The rows worth replicating on every rank (``planners.hot``), or None: one rank,
+    --no_hot_rows, or no row that saves bytes."""
+    from planners import optimizer_state_floats, propose_hot_rows
+
+    if world_size == 1 or args.no_hot_rows:
+        return None
+    samples = {name: [ids.numpy() for ids in steps]
+               for name, steps in sample_ids(args, days, world_size).items()}  # fmt: skip
+    budget = None if args.hot_budget_mb is None else int(args.hot_budget_mb * 2**20)
+    state = optimizer_state_floats(embedding_optimizer(args), args.embedding_dim)
+    proposal = propose_hot_rows(samples, world_size, args.embedding_dim, state, budget)
+    return proposal if proposal.rows else None
+
+
+def build(args, lookahead: bool, world_size: int, device: torch.device, planner=None,
+          hot: dict | None = None):  # fmt: skip
+    """The DLRM training model under DMP, with the fused embedding optimizer configured
+    (``hot``: the rows the lookahead model replicates on every rank)."""
     meta = torch.device("meta")
     if lookahead:
         # A table whose share is below what the window touches gets that at the first
         # batch (small tables are cached whole): no setting is too small for the window.
         ebc = LookaheadEmbeddingBagCollection(tables(args), device=meta,
                                               cache_load_factor=args.cache_load_factor,
-                                              store_dir=args.store_dir)  # fmt: skip
+                                              store_dir=args.store_dir, hot_rows=hot)  # fmt: skip
         sharders = [LookaheadEmbeddingBagCollectionSharder()]
     else:
         ebc = EmbeddingBagCollection(tables(args), device=meta)
@@ -501,14 +547,16 @@ def build(args, lookahead: bool, world_size: int, device: torch.device, planner=
         t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[kernel])
         for t in tables(args)
     }
+    free = not lookahead and args.torchrec_plan  # TorchRec's own choice of sharding
     planner = planner or EmbeddingShardingPlanner(
         topology=Topology(world_size=world_size, compute_device=device.type),
-        batch_size=args.batch_size, constraints=same_plan,
+        batch_size=args.batch_size, constraints=None if free else same_plan,
     )  # fmt: skip
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     if args.print_sharding_plan and dist.get_rank() == 0:
         print(plan)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
+    count_data_parallel(dmp)  # data-parallel tables' all-reduces, in the bytes sent
     dense_class = torch.optim.Adagrad if args.adagrad else torch.optim.SGD
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda ps: dense_class(ps, lr=args.learning_rate))  # fmt: skip
@@ -534,6 +582,8 @@ class Run:
     private_mb: float = 0.0  # the most anonymous RSS seen (sampled every 20 steps), rank 0
     dedup: DedupCounts = field(default_factory=DedupCounts)  # --dedup: what it saved, rank 0
     loader_wait_s: list[float] = field(default_factory=list)  # per batch read, rank 0
+    bytes_per_step: dict[str, float] = field(default_factory=dict)  # sent per rank, by kind
+    hot_share: float | None = None  # share of the lookups the replicated hot rows served
 
     @property
     def steady_samples_per_s(self) -> float:
@@ -613,10 +663,12 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
                disable=rank != 0)  # fmt: skip
     step, first_stage_s = start_step, 0.0
     dmp.train()
+    sent = CollectiveBytes()
     while True:
         start = time.perf_counter()
         try:
-            pipeline.progress(batches)
+            with sent:
+                pipeline.progress(batches)
         except StopIteration:
             break
         elapsed = time.perf_counter() - start
@@ -639,6 +691,9 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
                                             train_reader.state_dict(step)))
     bar.close()
     run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
+    run.bytes_per_step = mean_over_ranks(sent.bytes, max(step - start_step, 1), device)
+    if lookahead and (served := replica_metrics(dmp)) is not None:
+        run.hot_share = served.hot_share
     if lookahead:
         run.hit_rate = pipeline.hit_rates()
         metrics = pipeline.cache_metrics()["total"]
@@ -660,6 +715,31 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
     else:
         pipeline.detach()  # TorchRec's pipeline rewrote the forward; give it back for eval
     return run
+
+
+def mean_over_ranks(sent: dict[str, int], steps: int, device: torch.device) -> dict[str, float]:
+    """Bytes sent per step and rank, by kind: the mean over ranks (a collective)."""
+    totals = torch.tensor([float(sent[k]) for k in KINDS], dtype=torch.float64, device=device)
+    dist.all_reduce(totals)
+    return {k: v / steps / dist.get_world_size() for k, v in zip(KINDS, totals.tolist())}
+
+
+def replica_metrics(dmp):  # noqa: ANN201
+    """What the lookahead model's replicated hot rows served (None without them)."""
+    return next((m.replica_metrics for m in dmp.modules()
+                 if getattr(m, "replica_metrics", None) is not None), None)  # fmt: skip
+
+
+def weights_gap(look, base, device: torch.device) -> float:
+    """The largest difference between the two models' weights, over every rank."""
+    gap = 0.0
+    for a, b in zip(look.state_dict().values(), base.state_dict().values(), strict=True):
+        for x, y in zip(local_tensors(a), local_tensors(b), strict=True):
+            if x.numel():
+                gap = max(gap, float((x.float() - y.float()).abs().max()))
+    worst = torch.tensor([gap], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
 
 
 def checkpoint_state(dmp, optimizer, step: int, data: dict | None = None) -> dict:
@@ -684,15 +764,17 @@ def evaluate(args, dmp, days, stage: str, rank, world_size, device) -> float:
     return float(auroc.compute())
 
 
+def local_tensors(value) -> list[torch.Tensor]:  # noqa: ANN001
+    """This rank's tensors of a state-dict value: a sharded table's local shards, or itself."""
+    return [s.tensor for s in value.local_shards()] if hasattr(value, "local_shards") else [value]
+
+
 def weights_digest(dmp) -> str:
     """A hash of every table's shards and every dense parameter, over all ranks (in rank
     order): equal digests mean equal weights everywhere."""
     digest = hashlib.sha256()
     for key, value in dmp.state_dict().items():
-        tensors = (
-            [s.tensor for s in value.local_shards()] if hasattr(value, "local_shards") else [value]
-        )
-        for tensor in tensors:
+        for tensor in local_tensors(value):
             digest.update(key.encode())
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     per_rank = [None] * dist.get_world_size()
@@ -710,16 +792,21 @@ def run(args: argparse.Namespace) -> int:
     planner = None
     if args.plan_cache_sizes:
         planner, proposal = cache_planner(args, days, world_size, device)
+    hot = hot_rows(args, days, world_size)
     look, look_opt = build(args, lookahead=True, world_size=world_size, device=device,
-                           planner=planner)  # fmt: skip
-    if planner is not None and rank == 0:
-        from planners import plan_report
+                           planner=planner, hot=hot.hot if hot else None)  # fmt: skip
+    if rank == 0 and (planner is not None or hot is not None):
+        from planners import hot_rows_report, plan_report
 
-        print(plan_report(look.plan, proposal))
+        if planner is not None:
+            print(plan_report(look.plan, proposal))
+        if hot is not None:
+            print(hot_rows_report(hot))
     runs = []
     if args.baseline:
         base, base_opt = build(args, lookahead=False, world_size=world_size, device=device)
-        look.load_state_dict(base.state_dict())  # same starting weights, from a plain checkpoint
+        if not args.torchrec_plan:  # same starting weights, from a plain checkpoint
+            look.load_state_dict(base.state_dict())
     checkpointer = None
     if args.save_dir:
         written = None
@@ -766,13 +853,14 @@ def run(args: argparse.Namespace) -> int:
         dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
         runs[0].checkpoint_stall_s = stalls.tolist()
     same = weights_digest(look) == weights_digest(base) if args.baseline else None
+    gap = weights_gap(look, base, device) if args.baseline and not args.torchrec_plan else None
     digest = weights_digest(look)
     sharded = [m for m in look.modules() if hasattr(m, "cached_groups")]
     cached = torch.tensor([sum(sum(g.cache_rows) for m in sharded for g in m.cached_groups)],
                           device=device)  # fmt: skip
     dist.all_reduce(cached)  # every rank caches only its own shards
     if rank == 0:
-        report(args, runs, same, digest, world_size, int(cached.item()))
+        report(args, runs, same, gap, digest, world_size, int(cached.item()))
     dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
     return 0
@@ -798,6 +886,12 @@ def cells(run: Run, embedding_dim: int) -> dict[str, str]:
         "plan wait ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
         "private memory MB": f"{run.private_mb:,.0f}",
         "loader wait ms / step": f"{run.loader_wait_ms_per_step:.3f}",
+        "embedding KiB sent / step": (
+            f"{sum(run.bytes_per_step[k] for k in EMBEDDING_KINDS) / 1024:,.1f}"
+            if run.bytes_per_step
+            else "-"
+        ),
+        "hot-row lookups": f"{run.hot_share:.1%}" if run.hot_share is not None else "-",
         **dedup_cells(run, embedding_dim),
         "checkpoint stall ms / save": (
             f"{1000 * statistics.median(run.checkpoint_stall_s):.1f}"
@@ -828,8 +922,8 @@ def dedup_cells(run: Run, embedding_dim: int) -> dict[str, str]:
     }
 
 
-def report(args, runs: list[Run], same: bool | None, digest: str, world_size: int,
-           cache_rows: int) -> None:  # fmt: skip
+def report(args, runs: list[Run], same: bool | None, gap: float | None, digest: str,
+           world_size: int, cache_rows: int) -> None:  # fmt: skip
     table = [cells(r, args.embedding_dim) for r in runs]
     names = [r.name for r in runs]
     rows = sum(args.num_embeddings)
@@ -844,13 +938,16 @@ def report(args, runs: list[Run], same: bool | None, digest: str, world_size: in
         print(f"{label:>26}" + "".join(f"{column[label]:>16}" for column in table))
     if same is not None:
         print(f"{'final weights match':>26}{'yes' if same else 'NO':>16}")
+    if gap is not None and not same:  # replicated hot rows add in another order
+        print(f"{'largest weight difference':>26}{gap:>16.2g}")
     print(f"{'weights digest':>26}  {digest}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"config": {k: v for k, v in vars(args).items()},
                "runs": [{**asdict(r), "loader_wait_ms_per_step": r.loader_wait_ms_per_step}
                         for r in runs],
-               "weights_match": same, "weights_digest": digest, "world_size": world_size,
+               "weights_match": same, "weights_max_difference": gap,
+               "weights_digest": digest, "world_size": world_size,
                "cache_rows": cache_rows, "rows": rows}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     plot(runs, out / "training.png")

@@ -51,6 +51,7 @@ from torchrec_lookahead.embedding.replicated import (
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import ORACLE_ROW_BYTES, HostStore, MmapStore
+from torchrec_lookahead.traffic import label
 from torchrec_lookahead.types import CacheSizing, PlannedStep, StepContext, StepInput, Window
 from torchrec_lookahead.variable_batch import (
     VARIABLE_BATCH_OPTIMIZERS,
@@ -302,18 +303,12 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         infos = {info.embedding_config.name: info
                  for per_type in self.sharding_type_to_sharding_infos.values()
                  for info in per_type}  # fmt: skip
-        whole_rows = {ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value,
-                      ShardingType.TABLE_ROW_WISE.value}  # fmt: skip
-        shards = {}
-        for name in hot:
-            sharding = infos[name].param_sharding
-            if sharding.sharding_type not in whole_rows:
-                raise ValueError(f"table {name}: hot rows are replicated whole, and the plan "
-                                 f"splits its columns ({sharding.sharding_type}); shard it "
-                                 "table- or row-wise, or give it no hot rows")  # fmt: skip
-            shards[name] = [RowRange(md.placement.rank(), md.shard_offsets[0],
-                                     md.shard_offsets[0] + md.shard_sizes[0])
-                            for md in sharding.sharding_spec.shards]  # fmt: skip
+        shards = {
+            name: [RowRange(md.placement.rank(), md.shard_offsets[0],
+                            md.shard_offsets[0] + md.shard_sizes[0])
+                   for md in infos[name].param_sharding.sharding_spec.shards]
+            for name in hot
+        }  # fmt: skip
         params = dict(infos[next(iter(hot))].fused_params or {})
         optimizer = params.pop("optimizer")
         kernels = self.kernels
@@ -543,7 +538,8 @@ def refusals(error: ValueError | None, group: dist.ProcessGroup | None,
     """How many ranks of ``group`` refuse: an all-reduce of a tensor on ``device``, the
     device the group's backend takes (NCCL: CUDA only)."""
     failed = torch.tensor([error is not None], dtype=torch.int64, device=device)
-    dist.all_reduce(failed, group=group)
+    with label("other"):
+        dist.all_reduce(failed, group=group)
     return failed
 
 
@@ -589,6 +585,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                     "a lookahead cache needs rows on every shard: shard it table-wise, or over "
                     "fewer ranks than it has rows"
                 )
+        whole_rows = {ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value,
+                      ShardingType.TABLE_ROW_WISE.value}  # fmt: skip
+        for name in module.hot_rows:
+            if params[name].sharding_type not in whole_rows:
+                raise ValueError(f"table {name}: hot rows are replicated whole, and the plan "
+                                 f"splits its columns ({params[name].sharding_type}); shard it "
+                                 "table- or row-wise, or give it no hot rows")  # fmt: skip
         return ShardedLookaheadEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,
