@@ -515,7 +515,9 @@ def max_difference(expected: dict, got: dict) -> float:
                 if a.numel()), default=0.0)  # fmt: skip
 
 
-HOT_BOUND = 1e-6  # measured: at most 1.2e-7 on any value (docs/guides/hot-rows.md)
+# Measured over 8 runs from random initial weights: at most 7.1e-6 on any value (Adagrad
+# amplifies the rounding of a summed gradient), 6e-8 from these seeds (docs/guides/hot-rows.md).
+HOT_BOUND = 1e-5
 
 
 def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
@@ -526,6 +528,7 @@ def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
 
     from torchrec_lookahead.traffic import CollectiveBytes
 
+    torch.manual_seed(rank)  # fixed initial weights: the rounding differences depend on them
     batches, (base, base_opt, base_plan) = rank_data_and_baseline(case, rank, world_size)
     sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     ebc = LookaheadEmbeddingBagCollection(
