@@ -339,6 +339,22 @@ class GatheredOutput(VariableBatchEmbeddingBagCollectionAwaitable):
 # ------------------------------------------------------------ torch.distributed
 
 
+def data_parallel_parts(model: torch.nn.Module) -> list[tuple[Any, str]]:
+    """Every ``DistributedDataParallel`` in ``model`` and what it holds: ``"dense"`` for
+    DMP's (the dense layers), ``"data_parallel"`` for those TorchRec's sharded collections
+    wrap their data-parallel tables' lookups in (kept in the private ``_lookups`` list,
+    which ``modules()`` does not reach)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found: list[tuple[Any, str]] = []
+    for module in model.modules():
+        found += [(m, "data_parallel") for m in getattr(module, "_lookups", [])
+                  if isinstance(m, DistributedDataParallel)]  # fmt: skip
+        if isinstance(module, DistributedDataParallel):
+            found.append((module, "dense"))
+    return found
+
+
 def in_backward() -> bool:
     """Whether this thread runs an autograd backward node now (torch tells only through
     the private ``torch._C._current_autograd_node``)."""

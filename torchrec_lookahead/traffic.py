@@ -11,8 +11,9 @@ adds up what each rank sends to the others, by kind:
 * ``hot_sync``: what the replicated hot rows exchange (sent under :func:`label`);
 * ``other``: the rest sent under :func:`label` (the vote on a refused batch: 8 bytes);
 * ``data_parallel`` and ``dense``: the gradient all-reduces of a model's
-  ``DistributedDataParallel`` part (DMP puts data-parallel tables there, beside
-  the dense layers), seen through a DDP comm hook (:func:`count_data_parallel`).
+  ``DistributedDataParallel`` parts (TorchRec wraps data-parallel tables in
+  their own, DMP the dense layers in one), seen through a DDP comm hook
+  (:func:`count_data_parallel`).
 
 What a rank sends: an all-to-all, its input less its own part; a ring
 all-reduce, ``2 (W - 1) / W`` of the tensor; a broadcast from it, the tensor
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchrec_lookahead._compat import in_backward
+from torchrec_lookahead._compat import data_parallel_parts, in_backward
 
 __all__ = ["EMBEDDING_KINDS", "KINDS", "CollectiveBytes", "count_data_parallel", "label"]
 
@@ -152,23 +153,20 @@ class CollectiveBytes:
 
 def count_data_parallel(model: torch.nn.Module) -> None:
     """Count the gradient all-reduces of ``model``'s ``DistributedDataParallel`` parts
-    whenever a :class:`CollectiveBytes` is active: ``data_parallel`` for embedding
-    tables' parameters (names holding "embedding"), ``dense`` for the rest. Installs
-    DDP's own all-reduce hook (gradients divided by the world size, then summed)."""
+    whenever a :class:`CollectiveBytes` is active: ``dense`` for DMP's (the dense
+    layers), ``data_parallel`` for those TorchRec wraps data-parallel tables in.
+    Installs DDP's own all-reduce hook on each (gradients divided by the world size,
+    then summed)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.nn.parallel import DistributedDataParallel
 
-    for ddp in [m for m in model.modules() if isinstance(m, DistributedDataParallel)]:
-        tables = {id(p) for name, p in ddp.named_parameters() if "embedding" in name}
+    for ddp, kind in data_parallel_parts(model):
 
-        def hook(group, bucket, tables=tables):  # noqa: ANN001, ANN202
+        def hook(group, bucket, kind=kind):  # noqa: ANN001, ANN202
             # (no annotations: DDP checks them, and this module's are strings)
             counter = CollectiveBytes.active()
             if counter is not None:
                 world = _world(group)
-                for param in bucket.parameters():
-                    kind = "data_parallel" if id(param) in tables else "dense"
-                    counter.count(kind, 2 * (world - 1) * _nbytes(param) // world)
+                counter.count(kind, 2 * (world - 1) * _nbytes(bucket.buffer()) // world)
             with label(_UNCOUNTED):
                 return allreduce_hook(group, bucket)
 
