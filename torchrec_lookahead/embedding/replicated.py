@@ -12,13 +12,15 @@ stage splits every batch before it is distributed:
    feature at all: the cold batch is a variable batch (TorchRec's
    deduplicated form, one empty bag standing for all of them), where the
    sharding and the optimizer allow it (otherwise its bags stay, empty).
-2. **Union** (stage): the ranks exchange which hot rows their batch touches (a
-   bit per hot row, OR-reduced), so every rank knows the rows of the step's update.
+2. **Union** (stage, async): the ranks exchange which hot rows their batch
+   touches (a bit per hot row, OR-reduced), so every rank knows the rows of
+   the step's update by the time it runs.
 3. **Lookup** (forward): the hot ids are pooled from the replica and added to
    the cold output (SUM pooling: the sum of a bag is the sum of its two parts).
 4. **Update** (backward): each rank sums its hot rows' gradients (divided by
    the world size when TorchRec divides the owners' gradients so), the ranks
-   all-reduce them over the union, and every rank applies the same update
+   all-reduce them over the union (async, beside the rest of the backward),
+   and before the replicas are read again every rank applies the same update
    through a FBGEMM TBE of the replica (a bag per row, its gradient the
    summed one). A fused optimizer's update is not linear in the gradient, so
    the row's update needs every rank's share first, as the owner's would.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,9 +71,20 @@ class HotStep:
     indices: torch.Tensor  # replica row of each hot id, bag by bag (feature-major)
     offsets: torch.Tensor  # [features * batch + 1]
     bags: torch.Tensor  # each hot id's bag, feature-major (``feature * batch + sample``)
-    union: torch.Tensor  # replica rows any rank's batch touches, ascending
-    positions: torch.Tensor  # each hot id's row in ``union``
+    touched: torch.Tensor  # a bit per replica row: touched by this rank's batch, then by any
+    exchange: Any  # the OR-reduce of ``touched`` over the ranks, in flight (None: one rank)
     batch: int
+
+    def union(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The replica rows any rank's batch touches (ascending), and each hot id's
+        position among them; waits for the exchange, started when the batch was split."""
+        if self.exchange is not None:
+            self.exchange.wait()
+        bits = np.unpackbits(self.touched.cpu().numpy(), count=num_rows).astype(bool)
+        positions = (np.cumsum(bits) - 1)[self.indices.cpu().numpy()]
+        device = self.indices.device
+        return (torch.from_numpy(np.flatnonzero(bits)).to(device),
+                torch.from_numpy(positions).to(device))  # fmt: skip
 
 
 @dataclass
@@ -110,10 +124,15 @@ def check_hot_rows(hot_rows: Mapping[str, Sequence[int]], num_rows: Mapping[str,
 class ReplicatedRows:
     """The hot rows of a sharded collection's tables, replicated on this rank.
 
+    Finding a batch's hot ids takes a binary search per id, or, when the hot
+    tables hold at most ``DIRECT_ROWS`` rows together, one gather from a map
+    of 4 bytes per row (16 MiB at most).
+
     Args:
         hot: sorted hot ids per table name (tables without hot rows left out).
         keys: the collection's features, in its output order; ``key_tables[i]``
             is the table of ``keys[i]``.
+        num_embeddings: rows of each table.
         shards: per hot table, its row ranges and their ranks.
         dim: the row width (one for every table of the collection).
         optimizer, fbgemm_params: the fused optimizer of the tables, as their TBEs take it.
@@ -121,11 +140,14 @@ class ReplicatedRows:
         learning_rate: reads the fused optimizer's current learning rate (schedulers change it).
     """
 
+    DIRECT_ROWS = 1 << 22
+
     def __init__(
         self,
         hot: Mapping[str, np.ndarray],
         keys: Sequence[str],
         key_tables: Sequence[str],
+        num_embeddings: Mapping[str, int],
         shards: Mapping[str, Sequence[RowRange]],
         dim: int,
         optimizer: EmbOptimType,
@@ -136,11 +158,21 @@ class ReplicatedRows:
         self.hot = dict(hot)
         self.keys = list(keys)
         self.dim = dim
-        self._key_tables = list(key_tables)
+        self._tables = dict(zip(self.keys, key_tables))
         self._shards = {name: list(shards[name]) for name in self.hot}
         counts = [len(ids) for ids in self.hot.values()]
         self._first = dict(zip(self.hot, np.cumsum([0, *counts[:-1]]).tolist()))
         self.num_rows = sum(counts)
+        # Table t's id i as one code, sorted across the hot tables: shift[t] + i.
+        sizes = [num_embeddings[name] for name in self.hot]
+        self._shift = dict(zip(self.hot, np.cumsum([0, *sizes[:-1]]).tolist()))
+        self._codes = np.concatenate([ids + self._shift[name] for name, ids in self.hot.items()])
+        # Where the hot tables are small enough, a row per code (its replica row, or -1)
+        # finds ids in one gather instead of a binary search each.
+        self._row_of: np.ndarray | None = None
+        if sum(sizes) <= self.DIRECT_ROWS:
+            self._row_of = np.full(sum(sizes), -1, dtype=np.int32)
+            self._row_of[self._codes] = np.arange(self.num_rows, dtype=np.int32)
         on_cuda = device.type == "cuda"
         accepted = inspect.signature(SplitTableBatchedEmbeddingBagsCodegen).parameters
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
@@ -163,6 +195,7 @@ class ReplicatedRows:
         self.metrics = ReplicaMetrics()
         self.loaded = False  # the replicas hold the owners' rows (made true at attach)
         self._order: tuple[list[str], torch.Tensor] | None = None  # for in_order
+        self._pending: tuple[Any, torch.Tensor, torch.Tensor] | None = None  # see settle
 
     # ----------------------------------------------------------------- stage
 
@@ -178,57 +211,51 @@ class ReplicatedRows:
         lengths = features.lengths().cpu().numpy().reshape(len(names), batch)
         values = features.values().cpu().numpy()
         bag_of = np.repeat(np.arange(lengths.size), lengths.reshape(-1))
-        ends = np.cumsum(lengths.sum(axis=1))
-        starts = ends - lengths.sum(axis=1)
-        hot = np.zeros(len(values), dtype=bool)
-        rows = np.zeros(len(values), dtype=np.int64)
-        tables = dict(zip(self.keys, self._key_tables))
-        for k, name in enumerate(names):
-            table = tables.get(name)
-            if table not in self.hot:
-                continue
-            part = slice(starts[k], ends[k])
-            ids = self.hot[table]
-            where = np.minimum(np.searchsorted(ids, values[part]), len(ids) - 1)
-            hot[part] = ids[where] == values[part]
-            rows[part] = where + self._first[table]
+        # One search for every id: a table's ids, shifted past the tables before it, and
+        # the hot ids so shifted lie in one sorted array, at their replica rows.
+        shift = np.array([self._shift.get(self._tables.get(n, ""), -1) for n in names])
+        per_key = lengths.sum(axis=1)
+        in_hot_table = np.repeat(shift >= 0, per_key)
+        codes = values + np.repeat(shift, per_key)
+        if self._row_of is not None:
+            found = self._row_of[np.where(in_hot_table, codes, 0)].astype(np.int64)
+            hot = (found >= 0) & in_hot_table
+        else:
+            found = np.minimum(np.searchsorted(self._codes, codes), self.num_rows - 1)
+            hot = (self._codes[found] == codes) & in_hot_table
         cold = ~hot
         cold_lengths = np.bincount(bag_of[cold], minlength=lengths.size).reshape(lengths.shape)
-        cold_features = _cold_batch(names, values[cold], cold_lengths, lengths, variable_batch,
-                                    [tables.get(n) in self.hot for n in names])  # fmt: skip
+        cold_features = _cold_batch(names, values[cold], cold_lengths, variable_batch,
+                                    shift >= 0)  # fmt: skip
         # The hot ids in the replicas' feature-major order (the collection's keys).
         order = [names.index(key) for key in self.keys]
-        hot_lengths = np.bincount(bag_of[hot], minlength=lengths.size).reshape(lengths.shape)
-        picked = np.concatenate(
-            [np.zeros(0, dtype=np.int64)]
-            + [np.flatnonzero(hot[starts[k] : ends[k]]) + starts[k] for k in order]
-        )
-        hot_rows = rows[picked]
-        per_bag = hot_lengths[order].reshape(-1)
-        union = self._union(np.unique(hot_rows), group, device)
+        picked = np.flatnonzero(hot)
+        if order != list(range(len(names))):
+            ends = np.cumsum(per_key)
+            picked = np.concatenate([np.zeros(0, dtype=np.int64)] + [
+                np.flatnonzero(hot[ends[k] - per_key[k] : ends[k]]) + ends[k] - per_key[k]
+                for k in order
+            ])  # fmt: skip
+        hot_rows = found[picked]
+        per_bag = np.bincount(bag_of[hot], minlength=lengths.size).reshape(lengths.shape)
+        per_bag = per_bag[order].reshape(-1)
+        touched = np.zeros(self.num_rows, dtype=bool)
+        touched[hot_rows] = True
+        packed = torch.from_numpy(np.packbits(touched)).to(device)
+        exchange = None
+        if group is not None and dist.get_world_size(group) > 1:  # waited for at the update
+            with label("hot_sync"):
+                exchange = dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=group,
+                                           async_op=True)  # fmt: skip
         self.metrics.lookups += len(values)
         self.metrics.hot_lookups += len(hot_rows)
-        self.metrics.rows_synced += len(union)
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
         return cold_features, HotStep(
             indices=as_tensor(hot_rows),
             offsets=as_tensor(np.concatenate([[0], np.cumsum(per_bag)])),
             bags=as_tensor(np.repeat(np.arange(len(per_bag)), per_bag)),
-            union=as_tensor(union),
-            positions=as_tensor(np.searchsorted(union, hot_rows)),
-            batch=batch,
+            touched=packed, exchange=exchange, batch=batch,
         )
-
-    def _union(self, touched: np.ndarray, group: dist.ProcessGroup | None,
-               device: torch.device) -> np.ndarray:  # fmt: skip
-        if group is None or dist.get_world_size(group) == 1:
-            return touched
-        bits = np.zeros(self.num_rows, dtype=bool)
-        bits[touched] = True
-        packed = torch.from_numpy(np.packbits(bits)).to(device)
-        with label("hot_sync"):
-            dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=group)
-        return np.flatnonzero(np.unpackbits(packed.cpu().numpy(), count=self.num_rows))
 
     # --------------------------------------------------------------- trainer
 
@@ -248,6 +275,7 @@ class ReplicatedRows:
         return per_key.index_select(1, self._order[1]).reshape(pooled.shape[0], -1)
 
     def pooled(self, step: HotStep) -> torch.Tensor:
+        self.settle()
         bags = torch.nn.functional.embedding_bag(
             step.indices, self.weights, step.offsets, mode="sum", include_last_offset=True
         )
@@ -259,22 +287,37 @@ class ReplicatedRows:
         """Sum the step's hot-row gradients over the ranks, then update every replica alike."""
         per_bag = grad.view(step.batch, len(self.keys), self.dim).transpose(0, 1)
         per_id = per_bag.reshape(-1, self.dim).index_select(0, step.bags)
-        summed = torch.zeros(len(step.union), self.dim, dtype=grad.dtype, device=grad.device)
+        union, positions = step.union(self.num_rows)
+        self.metrics.rows_synced += len(union)
+        summed = torch.zeros(len(union), self.dim, dtype=grad.dtype, device=grad.device)
         world = dist.get_world_size(self.group) if self.group is not None else 1
         if world > 1 and get_gradient_division():  # as TorchRec's output all-to-all does
             per_id = per_id / world
-        summed.index_add_(0, step.positions, per_id)
+        summed.index_add_(0, positions, per_id)
+        work = None
         if world > 1:
             with label("hot_sync"):
-                dist.all_reduce(summed, group=self.group)
-        if not len(step.union):
+                work = dist.all_reduce(summed, group=self.group, async_op=True)
+        self._pending = (work, union, summed)
+
+    def settle(self) -> None:
+        """Apply the last step's update, once its sum has arrived: the all-reduce runs
+        beside the rest of the backward, and this runs before the replicas are next read
+        (the next lookup, a fold, ``replica_rows``)."""
+        if self._pending is None:
+            return
+        work, union, summed = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        if not len(union):
             return
         lr = self._learning_rate()
         if self.tbe.get_learning_rate() != lr:
             self.tbe.set_learning_rate(lr)
-        offsets = torch.arange(len(step.union) + 1, device=self.device)
+        offsets = torch.arange(len(union) + 1, device=self.device)
         with torch.enable_grad():  # FBGEMM's fused backward applies the update
-            self.tbe(step.union, offsets).backward(summed)
+            self.tbe(union, offsets).backward(summed)
 
     # ------------------------------------------------------------ the owners
 
@@ -283,6 +326,7 @@ class ReplicatedRows:
         """Fill the replicas from the owners' shards: each shard's hot rows broadcast by
         its rank. ``stores[(table, start)]`` reads this rank's shard starting at row
         ``start`` (weights and optimizer state of the given local rows)."""
+        self.settle()  # a pending update's collective completes on every rank alike
         rank = dist.get_rank(group) if group is not None else 0
         for name, ids in self.hot.items():
             for shard in self._shards[name]:
@@ -310,6 +354,7 @@ class ReplicatedRows:
         ids = self.hot.get(name)
         if ids is None or not self.loaded:
             return None
+        self.settle()
         inside = np.flatnonzero((ids >= start) & (ids < stop))
         if not len(inside):
             return None
@@ -334,34 +379,24 @@ class _HotLookup(torch.autograd.Function):
 
 
 def _cold_batch(
-    names: list[str], values: np.ndarray, cold_lengths: np.ndarray, lengths: np.ndarray,
-    variable_batch: bool, has_hot: list[bool],
+    names: list[str], values: np.ndarray, cold_lengths: np.ndarray, variable_batch: bool,
+    has_hot: np.ndarray,
 ) -> KeyedJaggedTensor:  # fmt: skip
     """The cold ids as a batch for the owners. As a variable batch, a hot table's feature
     keeps only the bags with cold ids, and one empty bag for every sample without any."""
-    batch = lengths.shape[1]
+    keys, batch = cold_lengths.shape
     if not variable_batch:
-        lengths_flat = torch.from_numpy(cold_lengths.reshape(-1))
         return KeyedJaggedTensor(keys=names, values=torch.from_numpy(values),
-                                 lengths=lengths_flat, stride=batch)  # fmt: skip
-    kept_lengths, strides = [], []
-    inverse = np.tile(np.arange(batch), (len(names), 1))
-    for k, hot in enumerate(has_hot):
-        if not hot:
-            kept_lengths.append(cold_lengths[k])
-            strides.append(batch)
-            continue
-        kept = cold_lengths[k] > 0
-        count = int(kept.sum())
-        bag = np.full(batch, count)  # the empty bag, after the kept ones
-        bag[kept] = np.arange(count)
-        inverse[k] = bag
-        extra = [0] if count < batch else []
-        kept_lengths.append(np.concatenate([cold_lengths[k][kept], extra]).astype(np.int64))
-        strides.append(count + len(extra))
+                                 lengths=torch.from_numpy(cold_lengths.reshape(-1)),
+                                 stride=batch)  # fmt: skip
+    kept = (cold_lengths > 0) | ~has_hot[:, None]
+    count = kept.sum(axis=1)
+    empty = count < batch  # the features that need the empty bag
+    inverse = np.where(kept, np.cumsum(kept, axis=1) - 1, count[:, None])
+    with_empty = np.hstack([cold_lengths, np.zeros((keys, 1), dtype=cold_lengths.dtype)])
+    lengths = with_empty[np.hstack([kept, empty[:, None]])]  # per key: kept bags, then empty
     return KeyedJaggedTensor(
-        keys=names, values=torch.from_numpy(values),
-        lengths=torch.from_numpy(np.concatenate(kept_lengths)),
-        stride_per_key_per_rank=[[s] for s in strides],
+        keys=names, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths),
+        stride_per_key_per_rank=[[int(n)] for n in count + empty],
         inverse_indices=(names, torch.from_numpy(inverse)),
     )  # fmt: skip

@@ -17,6 +17,7 @@ as plain UVM (``fused_uvm``), without FBGEMM's own cache.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from functools import partial
 from typing import Any
@@ -317,14 +318,15 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         configs = self.embedding_bag_configs()
         replicas = ReplicatedRows(
             hot, [f for t in configs for f in t.feature_names],
-            [t.name for t in configs for _ in t.feature_names], shards, configs[0].embedding_dim,
+            [t.name for t in configs for _ in t.feature_names],
+            {t.name: t.num_embeddings for t in configs}, shards, configs[0].embedding_dim,
             optimizer, params, self._collective_device, learning_rate,
         )  # fmt: skip
         for kernel in kernels:
             kernel.replicas = replicas
         # The cold ids travel as a variable batch (bags of hot ids only dropped) where
         # TorchRec's sharding and FBGEMM's kernel take one.
-        self._cold_variable_batch = not self._row_wise_on_gloo and (
+        self._cold_variable_batch = not os.environ.get("NOVBE") and not self._row_wise_on_gloo and (
             self._collective_device.type == "cpu" or optimizer in VARIABLE_BATCH_OPTIMIZERS
         )
         return replicas
@@ -341,7 +343,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
 
     def replica_rows(self) -> list[torch.Tensor]:
         """The replicas of the hot rows on this rank: weights, then optimizer state."""
-        return [] if self._replicas is None else [self._replicas.weights, *self._replicas.states]
+        if self._replicas is None:
+            return []
+        self._replicas.settle()
+        return [self._replicas.weights, *self._replicas.states]
 
     @property
     def store_files(self) -> StoreFiles | None:
