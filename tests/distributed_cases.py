@@ -531,9 +531,10 @@ def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
     torch.manual_seed(rank)  # fixed initial weights: the rounding differences depend on them
     batches, (base, base_opt, base_plan) = rank_data_and_baseline(case, rank, world_size)
     sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
+    store_dir = tempfile.mkdtemp(prefix="lookahead-store-") if case.store_dir else None
     ebc = LookaheadEmbeddingBagCollection(
         tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor,
-        hot_rows=hot_ids(world_size, 64),
+        hot_rows=hot_ids(world_size, 64), store_dir=store_dir,
     )  # fmt: skip
     look, look_opt, look_plan = build(ebc, sharders, case, world_size)
     assert str(base_plan) == str(look_plan)
@@ -573,6 +574,8 @@ def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
     with torch.no_grad():
         eval_gap = float((base(probe)[1][1] - look(probe)[1][1]).abs().max())
     assert eval_gap <= HOT_BOUND, eval_gap
+    if store_dir is not None:
+        shutil.rmtree(store_dir)
 
 
 def hot_rows_worker(rank: int, world_size: int, port: int, cases: list[Case]) -> None:

@@ -136,3 +136,26 @@ def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) ->
     memory = report["goals"]["private_memory_large_over_small"]
     assert set(memory) == {"ws1_workers0", "ws1_workers1"}
     assert not any(data.iterdir()), "the data sets must be removed"
+
+
+def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "comm.py"), "--out", str(tmp_path),
+           "--world-size", "2", "--scales", "0.001", "--batch-size", "128", "--steps", "6",
+           "--runs", "1", "--samples-per-day", "4096", "--sample-batches", "10",
+           "--data-cache", str(tmp_path / "data")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "bytes_ratio" in out and "time_ratio" in out
+    (result,) = json.loads((tmp_path / "report.json").read_text())["results"]
+    settings = result["settings"]
+    assert set(settings) == {"torchrec_plan", "torchrec_table_wise", "lookahead", "lookahead_hot"}
+    assert all(s["step_ms"] > 0 and len(s["step_ms_runs"]) == 1 for s in settings.values())
+    plain, hot = settings["torchrec_table_wise"], settings["lookahead_hot"]
+    for kind in ("ids", "pooled", "gradients"):  # the same plan: the same all-to-alls
+        assert settings["lookahead"]["bytes_per_step"][kind] == plain["bytes_per_step"][kind]
+    assert settings["lookahead"]["bytes_per_step"]["other"] == 16  # the stage's two votes
+    assert hot["bytes_per_step"]["hot_sync"] > 0 and plain["bytes_per_step"]["hot_sync"] == 0
+    assert hot["embedding_bytes_per_step"] < plain["embedding_bytes_per_step"]
+    assert result["bytes_ratio"] == pytest.approx(
+        hot["embedding_bytes_per_step"] / settings["torchrec_plan"]["embedding_bytes_per_step"])
+    assert 0.5 < result["hot_share"] < 1
+    assert (tmp_path / "comm.png").stat().st_size > 0

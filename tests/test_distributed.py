@@ -116,11 +116,15 @@ def test_canonical_use_with_the_lookahead_planner_matches_plain_torchrec() -> No
 
 
 @pytest.mark.parametrize(
-    ("sharding_type", "optimizers"),
-    [("table_wise", list(OPTIMIZERS)), ("row_wise", ["rowwise_adagrad"])],
+    ("sharding_type", "optimizers", "store_dir"),
+    [("table_wise", list(OPTIMIZERS), False), ("row_wise", ["rowwise_adagrad"], True)],
 )
-def test_replicated_hot_rows_train_like_plain_torchrec(sharding_type: str, optimizers) -> None:
+def test_replicated_hot_rows_train_like_plain_torchrec(
+    sharding_type: str, optimizers: list[str], store_dir: bool
+) -> None:
     """Hot rows looked up locally, their gradients summed across ranks, the update through
-    FBGEMM on every replica: plain TorchRec's results within a measured bound."""
-    cases = [Case(sharding_type, o, 8, steps=60, stage_thread=True) for o in optimizers]
+    FBGEMM on every replica: plain TorchRec's results within a measured bound (row-wise
+    from a disk store)."""
+    cases = [Case(sharding_type, o, 8, steps=60, stage_thread=True, store_dir=store_dir)
+             for o in optimizers]  # fmt: skip
     mp.spawn(hot_rows_worker, args=(2, free_port(), cases), nprocs=2, join=True)
