@@ -113,3 +113,40 @@ def test_collective_bytes_are_what_each_rank_sends_to_the_others() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_count, args=(port,), nprocs=2, join=True)
+
+
+def test_a_batch_splits_into_its_cold_bags_and_hot_ids_by_either_search() -> None:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from torchrec_lookahead.embedding.replicated import ReplicatedRows, RowRange
+
+    hot = {"t0": np.array([1, 5, 7]), "t1": np.array([0, 2])}
+    keys, batch = ["f0", "f1", "f2"], 4  # f2: a table without hot rows
+    lengths = np.array([[1, 2, 0, 1], [1, 1, 1, 2], [1, 0, 1, 1]])
+    values = np.array([5, 3, 7, 1,  2, 2, 9, 0, 4,  5, 6, 7])  # fmt: skip
+    features = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values),
+                                 lengths=torch.from_numpy(lengths.reshape(-1)),
+                                 stride=batch)  # fmt: skip
+    searched = type("Searched", (ReplicatedRows,), {"DIRECT_ROWS": 0})  # large tables' search
+    splits = []
+    for kind in (ReplicatedRows, searched):
+        rows = kind(
+            hot, keys, ["t0", "t1", "t2"], {"t0": 10, "t1": 10, "t2": 10},
+            {name: [RowRange(0, 0, 10)] for name in hot}, 4, EmbOptimType.EXACT_SGD, {},
+            torch.device("cpu"), lambda: 0.1,
+        )  # fmt: skip
+        splits.append(rows.split(features, True, None, torch.device("cpu")))
+    for cold, step in splits:
+        # Hot ids, feature-major, as replica rows: t0's 5, 7, 1 (rows 1, 2, 0); t1's 2, 2, 0
+        # (rows 4, 4, 3)
+        assert step.indices.tolist() == [1, 2, 0, 4, 4, 3]
+        assert step.offsets.tolist() == [0, 1, 2, 2, 3, 4, 5, 5, 6, 6, 6, 6, 6]
+        union, positions = step.union(rows.num_rows)
+        assert union.tolist() == [0, 1, 2, 3, 4] and positions.tolist() == [1, 2, 0, 4, 4, 3]
+        # Cold: bags with cold ids, then one empty bag for the samples without any.
+        assert cold.values().tolist() == [3, 9, 4, 5, 6, 7]
+        assert cold.stride_per_key() == [2, 3, 4]
+        assert cold.lengths().tolist() == [1, 0, 1, 1, 0, 1, 0, 1, 1]
+        assert cold.inverse_indices()[1].tolist() == [[1, 0, 1, 1], [2, 2, 0, 1], [0, 1, 2, 3]]
+    assert splits[0][1].indices.tolist() == splits[1][1].indices.tolist()

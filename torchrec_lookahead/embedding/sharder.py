@@ -17,7 +17,6 @@ as plain UVM (``fused_uvm``), without FBGEMM's own cache.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from functools import partial
 from typing import Any
@@ -326,7 +325,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             kernel.replicas = replicas
         # The cold ids travel as a variable batch (bags of hot ids only dropped) where
         # TorchRec's sharding and FBGEMM's kernel take one.
-        self._cold_variable_batch = not os.environ.get("NOVBE") and not self._row_wise_on_gloo and (
+        self._cold_variable_batch = not self._row_wise_on_gloo and (
             self._collective_device.type == "cpu" or optimizer in VARIABLE_BATCH_OPTIMIZERS
         )
         return replicas
