@@ -516,7 +516,7 @@ def max_difference(expected: dict, got: dict) -> float:
 
 
 # Measured over 8 runs from random initial weights: at most 7.1e-6 on any value (Adagrad
-# amplifies the rounding of a summed gradient), 6e-8 from these seeds (docs/guides/hot-rows.md).
+# amplifies the rounding of a summed gradient), 7.5e-9 from these (docs/guides/hot-rows.md).
 HOT_BOUND = 1e-5
 
 

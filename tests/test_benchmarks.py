@@ -140,8 +140,8 @@ def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) ->
 
 def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "comm.py"), "--out", str(tmp_path),
-           "--world-size", "2", "--scales", "0.001", "--batch-size", "128", "--steps", "6",
-           "--runs", "1", "--samples-per-day", "4096", "--sample-batches", "10",
+           "--world-size", "2", "--scales", "0.001", "--batch-size", "128", "--steps", "4",
+           "--runs", "1", "--samples-per-day", "4096", "--sample-batches", "6",
            "--data-cache", str(tmp_path / "data")]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "bytes_ratio" in out and "time_ratio" in out

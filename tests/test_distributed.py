@@ -125,6 +125,6 @@ def test_replicated_hot_rows_train_like_plain_torchrec(
     """Hot rows looked up locally, their gradients summed across ranks, the update through
     FBGEMM on every replica: plain TorchRec's results within a measured bound (row-wise
     from a disk store)."""
-    cases = [Case(sharding_type, o, 8, steps=60, stage_thread=True, store_dir=store_dir)
+    cases = [Case(sharding_type, o, 8, steps=30, stage_thread=True, store_dir=store_dir)
              for o in optimizers]  # fmt: skip
     mp.spawn(hot_rows_worker, args=(2, free_port(), cases), nprocs=2, join=True)

@@ -36,7 +36,8 @@ def run(
 def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
     interaction = ["--interaction_type", "dcn"] if ranks == 1 else []  # both archs covered
     done, summary = run(tmp_path, *TINY, *interaction, "--limit_train_batches", "30",
-                        "--baseline", "--adagrad", ranks=ranks)  # fmt: skip
+                        "--baseline", "--adagrad", "--plan_sample_batches", "10",
+                        ranks=ranks)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert summary["world_size"] == ranks
     look, base = summary["runs"]

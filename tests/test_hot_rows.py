@@ -150,3 +150,19 @@ def test_a_batch_splits_into_its_cold_bags_and_hot_ids_by_either_search() -> Non
         assert cold.lengths().tolist() == [1, 0, 1, 1, 0, 1, 0, 1, 1]
         assert cold.inverse_indices()[1].tolist() == [[1, 0, 1, 1], [2, 2, 0, 1], [0, 1, 2, 3]]
     assert splits[0][1].indices.tolist() == splits[1][1].indices.tolist()
+
+
+def test_the_union_reads_a_bit_or_a_byte_per_row() -> None:
+    """Over gloo the ranks OR-reduce a bit per hot row; NCCL, which has no bitwise OR,
+    MAX-reduces a byte per row: the union reads both."""
+    from torchrec_lookahead.embedding.replicated import HotStep
+
+    touched = np.zeros(11, dtype=bool)
+    touched[[2, 3, 9]] = True
+    rows = torch.tensor([9, 2, 9])
+    for packed, bits in ((True, np.packbits(touched)), (False, touched.view(np.uint8))):
+        step = HotStep(indices=rows, offsets=torch.tensor([0, 3]), bags=torch.zeros(3),
+                       touched=torch.from_numpy(bits), exchange=None, batch=1,
+                       packed=packed)  # fmt: skip
+        union, positions = step.union(11)
+        assert union.tolist() == [2, 3, 9] and positions.tolist() == [2, 0, 2]

@@ -197,9 +197,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the full tables in files in this existing directory "
                         "(for tables larger than RAM); one subdirectory per rank")  # fmt: skip
     p.add_argument("--no_hot_rows", action="store_true",
-                   help="replicate no rows across ranks (by default, with several ranks, the rows "
-                        "whose replicas save bytes per step, as planners/hot.py finds them on "
-                        "--plan_sample_batches batches)")  # fmt: skip
+                   help="replicate no rows across ranks (by default, with several ranks and "
+                        "without --dedup, the rows whose replicas save bytes per step, as "
+                        "planners/hot.py finds them on --plan_sample_batches batches)")  # fmt: skip
     p.add_argument("--hot_budget_mb", type=float, default=None,
                    help="memory for the replicated hot rows on each rank (default: every row "
                         "that saves bytes)")  # fmt: skip
@@ -499,10 +499,11 @@ def cache_planner(args, days, world_size: int, device: torch.device):
 
 def hot_rows(args, days, world_size: int):  # noqa: ANN201
     """The rows worth replicating on every rank (``planners.hot``), or None: one rank,
-    --no_hot_rows, or no row that saves bytes."""
+    --no_hot_rows, --dedup (deduplicated batches are not split), or no row that saves
+    bytes."""
     from planners import optimizer_state_floats, propose_hot_rows
 
-    if world_size == 1 or args.no_hot_rows:
+    if world_size == 1 or args.no_hot_rows or args.dedup:
         return None
     samples = {name: [ids.numpy() for ids in steps]
                for name, steps in sample_ids(args, days, world_size).items()}  # fmt: skip

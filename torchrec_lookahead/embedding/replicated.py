@@ -71,16 +71,18 @@ class HotStep:
     indices: torch.Tensor  # replica row of each hot id, bag by bag (feature-major)
     offsets: torch.Tensor  # [features * batch + 1]
     bags: torch.Tensor  # each hot id's bag, feature-major (``feature * batch + sample``)
-    touched: torch.Tensor  # a bit per replica row: touched by this rank's batch, then by any
+    touched: torch.Tensor  # per replica row: touched by this rank's batch, then by any
     exchange: Any  # the OR-reduce of ``touched`` over the ranks, in flight (None: one rank)
     batch: int
+    packed: bool = True  # ``touched`` holds 8 rows a byte (NCCL, with no bitwise OR: one)
 
     def union(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The replica rows any rank's batch touches (ascending), and each hot id's
         position among them; waits for the exchange, started when the batch was split."""
         if self.exchange is not None:
             self.exchange.wait()
-        bits = np.unpackbits(self.touched.cpu().numpy(), count=num_rows).astype(bool)
+        bits = self.touched.cpu().numpy()
+        bits = (np.unpackbits(bits, count=num_rows) if self.packed else bits).astype(bool)
         positions = (np.cumsum(bits) - 1)[self.indices.cpu().numpy()]
         device = self.indices.device
         return (torch.from_numpy(np.flatnonzero(bits)).to(device),
@@ -241,12 +243,17 @@ class ReplicatedRows:
         per_bag = per_bag[order].reshape(-1)
         touched = np.zeros(self.num_rows, dtype=bool)
         touched[hot_rows] = True
-        packed = torch.from_numpy(np.packbits(touched)).to(device)
+        several = group is not None and dist.get_world_size(group) > 1
+        # NCCL (the collectives of CUDA tensors) reduces no bitwise OR: a byte per row
+        # there, whose MAX is the OR.
+        packed = device.type != "cuda"
+        bits = torch.from_numpy(np.packbits(touched) if packed else touched.view(np.uint8))
+        bits = bits.to(device)
         exchange = None
-        if group is not None and dist.get_world_size(group) > 1:  # waited for at the update
+        if several:  # waited for at the update
             with label("hot_sync"):
-                exchange = dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=group,
-                                           async_op=True)  # fmt: skip
+                op = dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
+                exchange = dist.all_reduce(bits, op=op, group=group, async_op=True)
         self.metrics.lookups += len(values)
         self.metrics.hot_lookups += len(hot_rows)
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
@@ -254,7 +261,7 @@ class ReplicatedRows:
             indices=as_tensor(hot_rows),
             offsets=as_tensor(np.concatenate([[0], np.cumsum(per_bag)])),
             bags=as_tensor(np.repeat(np.arange(len(per_bag)), per_bag)),
-            touched=packed, exchange=exchange, batch=batch,
+            touched=bits, exchange=exchange, batch=batch, packed=packed,
         )
 
     # --------------------------------------------------------------- trainer
