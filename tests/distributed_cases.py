@@ -53,8 +53,8 @@ class Case:
     sharding_type: str
     optimizer: str
     lookahead: int
-    steps: int = 100
-    cache_load_factor: float = 0.2
+    steps: int = 60
+    cache_load_factor: float = 0.1
     stage_thread: bool = True  # the lookahead stage on its own thread, or inline
     store_dir: bool = False  # the tables in a disk store (a temporary directory)
     session: int = 0  # > 0: sessions of this many samples share cat_0 and cat_1, deduplicated
