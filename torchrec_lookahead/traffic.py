@@ -40,6 +40,12 @@ KINDS = ("ids", "pooled", "gradients", "hot_sync", "other", "data_parallel", "de
 EMBEDDING_KINDS = KINDS[:-1]  # what the embeddings send (everything but the dense layers')
 _LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("traffic_label", default=None)
 _UNCOUNTED = "uncounted"  # a collective counted already (DDP's, by its hook)
+# torch's own collectives, which the counter's stand-ins call (kept: a thread may still
+# hold a stand-in after the counter closed).
+_TORCH: dict[str, Callable[..., Any]] = {
+    name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "broadcast",
+                                           "all_gather_into_tensor", "reduce_scatter_tensor")
+}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -63,8 +69,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class CollectiveBytes:
     """Bytes this rank sends through ``torch.distributed`` collectives, by kind.
 
-    Use as a context manager (one at a time per process, entered as often as
-    wanted); ``bytes`` holds the totals by kind, ``calls`` the collectives counted.
+    Use as a context manager around everything to count, on every thread (one at
+    a time per process); ``bytes`` holds the totals by kind, ``calls`` the
+    collectives counted. A collective another thread is entering as the counter
+    closes still runs (through torch's own function), uncounted.
     """
 
     _active: CollectiveBytes | None = None
@@ -73,7 +81,6 @@ class CollectiveBytes:
     def __init__(self) -> None:
         self.bytes = dict.fromkeys(KINDS, 0)
         self.calls = dict.fromkeys(KINDS, 0)
-        self._originals: dict[str, Callable[..., Any]] = {}
 
     @property
     def embedding_total(self) -> int:
@@ -82,7 +89,7 @@ class CollectiveBytes:
 
     def _add(self, tensor: torch.Tensor, sent: int) -> None:
         kind = _LABEL.get()
-        if kind == _UNCOUNTED:
+        if kind == _UNCOUNTED or CollectiveBytes._active is not self:
             return
         if kind is None:
             if not tensor.is_floating_point():
@@ -108,45 +115,42 @@ class CollectiveBytes:
         per_row = _nbytes(input) // rows if rows else 0
         own = (input_split_sizes[rank] if input_split_sizes else rows // world) * per_row
         self._add(input, _nbytes(input) - own)
-        return self._originals["all_to_all_single"](
+        return _TORCH["all_to_all_single"](
             output, input, output_split_sizes, input_split_sizes, group, **kwargs
         )
 
     def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, **kwargs):  # noqa: ANN001
         world = _world(group)
         self._add(tensor, 2 * (world - 1) * _nbytes(tensor) // world)
-        return self._originals["all_reduce"](tensor, op, group, **kwargs)
+        return _TORCH["all_reduce"](tensor, op, group, **kwargs)
 
     def _broadcast(self, tensor, src=None, group=None, **kwargs):  # noqa: ANN001
         world = _world(group)
         sending = dist.get_rank() == src
         self._add(tensor, (world - 1) * _nbytes(tensor) if sending else 0)
-        return self._originals["broadcast"](tensor, src, group, **kwargs)
+        return _TORCH["broadcast"](tensor, src, group, **kwargs)
 
     def _all_gather_into_tensor(self, output, input, group=None, **kwargs):  # noqa: ANN001
         self._add(input, (_world(group) - 1) * _nbytes(input))
-        return self._originals["all_gather_into_tensor"](output, input, group, **kwargs)
+        return _TORCH["all_gather_into_tensor"](output, input, group, **kwargs)
 
     def _reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, **kwargs):  # noqa: ANN001
         world = _world(group)
         self._add(input, (world - 1) * _nbytes(input) // world)
-        return self._originals["reduce_scatter_tensor"](output, input, op, group, **kwargs)
+        return _TORCH["reduce_scatter_tensor"](output, input, op, group, **kwargs)
 
     def __enter__(self) -> CollectiveBytes:
         with CollectiveBytes._lock:
             if CollectiveBytes._active is not None:
                 raise RuntimeError("collectives are being counted already")
             CollectiveBytes._active = self
-        for name in ("all_to_all_single", "all_reduce", "broadcast", "all_gather_into_tensor",
-                     "reduce_scatter_tensor"):  # fmt: skip
-            self._originals[name] = getattr(dist, name)
+        for name in _TORCH:
             setattr(dist, name, getattr(self, f"_{name}"))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, original in self._originals.items():
+        for name, original in _TORCH.items():
             setattr(dist, name, original)
-        self._originals.clear()
         with CollectiveBytes._lock:
             CollectiveBytes._active = None
 

@@ -664,32 +664,31 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
                disable=rank != 0)  # fmt: skip
     step, first_stage_s = start_step, 0.0
     dmp.train()
-    sent = CollectiveBytes()
-    while True:
-        start = time.perf_counter()
-        try:
-            with sent:
+    with CollectiveBytes() as sent:  # every thread's collectives, the stage's too
+        while True:
+            start = time.perf_counter()
+            try:
                 pipeline.progress(batches)
-        except StopIteration:
-            break
-        elapsed = time.perf_counter() - start
-        step += 1
-        run.step_s.append(elapsed)
-        run.seconds += elapsed
-        run.samples += args.batch_size * world_size
-        if lookahead and step == start_step + 1:
-            first_stage_s = pipeline.timings["stage_s"]
-        if step % 20 == 1:  # the cache counters are summed over tables: not every step
-            run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
-            postfix = {"samples/s": f"{args.batch_size * world_size / elapsed:,.0f}"}
-            if lookahead:
-                postfix["hit rate"] = f"{pipeline.cache_metrics()['total'].hit_rate:.3f}"
-            bar.set_postfix(postfix)
-        bar.update()
-        fail_here(args, rank, "step", step)
-        if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
-            checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step,
-                                            train_reader.state_dict(step)))
+            except StopIteration:
+                break
+            elapsed = time.perf_counter() - start
+            step += 1
+            run.step_s.append(elapsed)
+            run.seconds += elapsed
+            run.samples += args.batch_size * world_size
+            if lookahead and step == start_step + 1:
+                first_stage_s = pipeline.timings["stage_s"]
+            if step % 20 == 1:  # the cache counters are summed over tables: not every step
+                run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
+                postfix = {"samples/s": f"{args.batch_size * world_size / elapsed:,.0f}"}
+                if lookahead:
+                    postfix["hit rate"] = f"{pipeline.cache_metrics()['total'].hit_rate:.3f}"
+                bar.set_postfix(postfix)
+            bar.update()
+            fail_here(args, rank, "step", step)
+            if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
+                checkpointer.save(step, partial(checkpoint_state, dmp, optimizer, step,
+                                                train_reader.state_dict(step)))
     bar.close()
     run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
     run.bytes_per_step = mean_over_ranks(sent.bytes, max(step - start_step, 1), device)
