@@ -115,11 +115,10 @@ def test_canonical_use_with_the_lookahead_planner_matches_plain_torchrec() -> No
     mp.spawn(planned_worker, args=(2, free_port()), nprocs=2)
 
 
-def test_replicated_hot_rows_train_like_plain_torchrec() -> None:
-    """Hot rows looked up locally, their gradients summed across ranks, the update through
-    FBGEMM on every replica: plain TorchRec's results within a measured bound (table-wise
-    with every optimizer; row-wise from a disk store)."""
-    cases = [Case("table_wise", o, 8, steps=30, stage_thread=True) for o in OPTIMIZERS]
-    cases.append(Case("row_wise", "rowwise_adagrad", 8, steps=30, stage_thread=True,
-                      store_dir=True))  # fmt: skip
+def test_replicated_hot_rows_from_a_disk_store_train_like_plain_torchrec() -> None:
+    """Hot rows replicated from row-wise shards in a disk store, a deduplicated batch one
+    rank refuses, eval through the folded owners: bitwise plain TorchRec's (the
+    table-wise cases, schedules, per-table optimizers and mid-run events are in
+    ``test_hot_rows.py``)."""
+    cases = [Case("row_wise", "rowwise_adagrad", 8, steps=30, stage_thread=True, store_dir=True)]
     mp.spawn(hot_rows_worker, args=(2, free_port(), cases), nprocs=2, join=True)

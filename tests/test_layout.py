@@ -24,7 +24,7 @@ THEIRS = ("torch", "torchrec", "fbgemm_gpu")
 LAYERS = [
     {"settings", "metrics"},
     {"types", "_compat"},
-    {"checks", "variable_batch", "streams", "traffic", "data"},
+    {"checks", "variable_batch", "streams", "traffic", "tbe", "data"},
     {"oracle"},
     {"store"},
     {"cache", "pipeline"},

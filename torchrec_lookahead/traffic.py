@@ -34,7 +34,14 @@ import torch.distributed as dist
 
 from torchrec_lookahead._compat import data_parallel_parts, in_backward
 
-__all__ = ["EMBEDDING_KINDS", "KINDS", "CollectiveBytes", "count_data_parallel", "label"]
+__all__ = [
+    "EMBEDDING_KINDS",
+    "KINDS",
+    "CollectiveBytes",
+    "count_data_parallel",
+    "count_sent",
+    "label",
+]
 
 KINDS = ("ids", "pooled", "gradients", "hot_sync", "other", "data_parallel", "dense")
 EMBEDDING_KINDS = KINDS[:-1]  # what the embeddings send (everything but the dense layers')
@@ -56,6 +63,13 @@ def label(kind: str) -> Iterator[None]:
         yield
     finally:
         _LABEL.reset(token)
+
+
+def count_sent(kind: str, tensor: torch.Tensor) -> None:
+    """Count ``tensor`` as sent to one other rank (a point-to-point send), as ``kind``."""
+    counter = CollectiveBytes.active()
+    if counter is not None:
+        counter.count(kind, _nbytes(tensor))
 
 
 def _world(group: Any) -> int:

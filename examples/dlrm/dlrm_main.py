@@ -96,6 +96,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import torchmetrics  # noqa: E402
 from checkpoint import Checkpointer, latest  # noqa: E402
 from data import USER_FEATURES, SyntheticSpec, real_days, synthetic_days  # noqa: E402
+from schedule import RateSchedule  # noqa: E402
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES  # noqa: E402
 from torchrec.datasets.utils import Batch  # noqa: E402
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
@@ -156,6 +157,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dcn_num_layers", type=int, default=3)
     p.add_argument("--dcn_low_rank_dim", type=int, default=16)
     p.add_argument("--learning_rate", type=float, default=0.1)
+    p.add_argument("--lr_warmup_steps", type=int, default=0,
+                   help="raise the rates linearly from 0 over this many steps")
+    p.add_argument("--lr_decay_start", type=int, default=0,
+                   help="the step at which the rates start to decay (after the warm-up)")
+    p.add_argument("--lr_decay_steps", type=int, default=0,
+                   help="decay the rates quadratically to 0 over this many steps, then hold")
     p.add_argument("--adagrad", action="store_true", help="row-wise Adagrad / Adagrad, not SGD")
     p.add_argument(
         "--num_embeddings_per_feature",
@@ -196,10 +203,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--store_dir", type=str, default=None,
                    help="keep the full tables in files in this existing directory "
                         "(for tables larger than RAM); one subdirectory per rank")  # fmt: skip
-    p.add_argument("--no_hot_rows", action="store_true",
-                   help="replicate no rows across ranks (by default, with several ranks and "
-                        "without --dedup, the rows whose replicas save bytes per step, as "
-                        "planners/hot.py finds them on --plan_sample_batches batches)")  # fmt: skip
+    hot = p.add_mutually_exclusive_group()
+    hot.add_argument("--hot_rows", dest="hot_rows", action="store_true", default=True,
+                     help="replicate on every rank the rows whose replicas save bytes per "
+                          "step, as planners/hot.py finds them on --plan_sample_batches "
+                          "batches (the default; several ranks, without --dedup)")
+    hot.add_argument("--no_hot_rows", dest="hot_rows", action="store_false",
+                     help="replicate no rows across ranks")
     p.add_argument("--hot_budget_mb", type=float, default=None,
                    help="memory for the replicated hot rows on each rank (default: every row "
                         "that saves bytes)")  # fmt: skip
@@ -274,6 +284,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              ("data_cache", False), ("out", False)):  # fmt: skip
         if problem := folder_problem(getattr(args, name), must_exist):
             p.error(f"--{name} {getattr(args, name)}: {problem}")
+    for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if args.lr_decay_steps and args.lr_decay_start < args.lr_warmup_steps:
+        p.error("the learning-rate warm-up must end before the decay starts "
+                f"(--lr_decay_start {args.lr_decay_start} < --lr_warmup_steps "
+                f"{args.lr_warmup_steps})")
     if args.lookahead < 1:
         p.error(
             f"--lookahead must be at least 1 (the oracle needs to see ahead), got {args.lookahead}"
@@ -503,7 +520,7 @@ def hot_rows(args, days, world_size: int):  # noqa: ANN201
     bytes."""
     from planners import optimizer_state_floats, propose_hot_rows
 
-    if world_size == 1 or args.no_hot_rows or args.dedup:
+    if world_size == 1 or not args.hot_rows or args.dedup:
         return None
     samples = {name: [ids.numpy() for ids in steps]
                for name, steps in sample_ids(args, days, world_size).items()}  # fmt: skip
@@ -660,12 +677,16 @@ def train(args, name: str, dmp, optimizer, days, rank, world_size, device, start
                          f"{total} steps")  # fmt: skip
     loader = train_reader.loader(start_step, total, args.num_workers)
     batches = metered(iter(loader), run, args.dedup, train_reader, start_step)  # workers start
+    schedule = RateSchedule(optimizer, args.learning_rate, args.lr_warmup_steps,
+                            args.lr_decay_start, args.lr_decay_steps)  # fmt: skip
     bar = tqdm(desc=f"train {name}", total=total - start_step, unit="step",
                disable=rank != 0)  # fmt: skip
     step, first_stage_s = start_step, 0.0
     dmp.train()
     with CollectiveBytes() as sent:  # every thread's collectives, the stage's too
         while True:
+            if schedule.active:
+                schedule.set(step)
             start = time.perf_counter()
             try:
                 pipeline.progress(batches)
@@ -731,12 +752,17 @@ def replica_metrics(dmp):  # noqa: ANN201
 
 
 def weights_gap(look, base, device: torch.device) -> float:
-    """The largest difference between the two models' weights, over every rank."""
+    """The largest difference between the two models' weights and optimizer state (each a
+    ``(model, optimizer)``), over every rank."""
     gap = 0.0
-    for a, b in zip(look.state_dict().values(), base.state_dict().values(), strict=True):
-        for x, y in zip(local_tensors(a), local_tensors(b), strict=True):
-            if x.numel():
-                gap = max(gap, float((x.float() - y.float()).abs().max()))
+    pairs = [(look[0].state_dict(), base[0].state_dict())]
+    pairs += [(a, b) for a, b in zip(look[1].state_dict()["state"].values(),
+                                     base[1].state_dict()["state"].values(), strict=True)]
+    for mine, theirs in pairs:
+        for a, b in zip(mine.values(), theirs.values(), strict=True):
+            for x, y in zip(local_tensors(a), local_tensors(b), strict=True):
+                if x.numel():
+                    gap = max(gap, float((x.float() - y.float()).abs().max()))
     worst = torch.tensor([gap], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst.item())
@@ -853,7 +879,8 @@ def run(args: argparse.Namespace) -> int:
         dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
         runs[0].checkpoint_stall_s = stalls.tolist()
     same = weights_digest(look) == weights_digest(base) if args.baseline else None
-    gap = weights_gap(look, base, device) if args.baseline and not args.torchrec_plan else None
+    comparable = args.baseline and not args.torchrec_plan
+    gap = weights_gap((look, look_opt), (base, base_opt), device) if comparable else None
     digest = weights_digest(look)
     sharded = [m for m in look.modules() if hasattr(m, "cached_groups")]
     cached = torch.tensor([sum(sum(g.cache_rows) for m in sharded for g in m.cached_groups)],
@@ -936,10 +963,11 @@ def report(args, runs: list[Run], same: bool | None, gap: float | None, digest: 
     print(f"{'':>26}" + "".join(f"{n:>16}" for n in names))
     for label in table[0]:
         print(f"{label:>26}" + "".join(f"{column[label]:>16}" for column in table))
-    if same is not None:
-        print(f"{'final weights match':>26}{'yes' if same else 'NO':>16}")
-    if gap is not None and not same:  # replicated hot rows add in another order
-        print(f"{'largest weight difference':>26}{gap:>16.2g}")
+    if gap is not None:
+        print(f"{'final weights':>26}{agreement(gap):>16}")
+        print(f"{'largest difference':>26}{gap:>16.2g}")
+    elif same is not None:  # --torchrec_plan: other starting weights, nothing to compare
+        print(f"{'final weights':>26}{'not compared':>16}")
     print(f"{'weights digest':>26}  {digest}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -947,11 +975,22 @@ def report(args, runs: list[Run], same: bool | None, gap: float | None, digest: 
                "runs": [{**asdict(r), "loader_wait_ms_per_step": r.loader_wait_ms_per_step}
                         for r in runs],
                "weights_match": same, "weights_max_difference": gap,
+               "weights_agreement": agreement(gap) if gap is not None else None,
                "weights_digest": digest, "world_size": world_size,
                "cache_rows": cache_rows, "rows": rows}  # fmt: skip
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     plot(runs, out / "training.png")
     print(f"wrote {out / 'summary.json'} and {out / 'training.png'}")
+
+
+TOLERANCE = 1e-5  # where summation orders differ (hot rows' bags mixing hot and cold ids)
+
+
+def agreement(gap: float) -> str:
+    """What the largest difference between the two runs' final state says."""
+    if gap == 0:
+        return "bitwise equal"
+    return f"within {TOLERANCE:g}" if gap <= TOLERANCE else "DIFFERENT"
 
 
 # The runs' colours and the hit rate's own (a property of the lookahead run, not a third run).

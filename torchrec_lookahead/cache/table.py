@@ -10,16 +10,13 @@ from typing import Any
 import numpy as np
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead._compat import split_pooled_tables
 from torchrec_lookahead.cache.pools import SlotPool
 from torchrec_lookahead.store.stores import HostStore
+from torchrec_lookahead.tbe import training_tbe
 from torchrec_lookahead.types import CachePlan
 from torchrec_lookahead.variable_batch import padded_lookup
 
@@ -93,18 +90,14 @@ class CacheTable:
         with self._lock:
             if any(bool((ids >= 0).any()) for ids in getattr(self, "slot_ids", [])):
                 raise RuntimeError("a cache holding rows cannot be resized")
-            on_cuda = self.device.type == "cuda"
-            location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
-            compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
-            self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-                embedding_specs=[
-                    (n, pool.dim, location, compute) for n, pool in zip(slots, self.pools)
-                ],
+            self.tbe = training_tbe(
+                slots,
+                [pool.dim for pool in self.pools],
+                self._optimizer,
+                self._fbgemm_params,
+                self.device,
+                self._pooling,
                 feature_table_map=self._feature_pools,
-                optimizer=self._optimizer,
-                pooling_mode=self._pooling,
-                device=self.device,
-                **self._fbgemm_params,
             )
             split_pooled_tables(self.tbe, self._feature_tables, self._feature_pools, slots)
             self._weights = [w.data for w in self.tbe.split_embedding_weights()]

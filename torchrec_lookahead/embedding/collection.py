@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import in_backward_optimizers
 from torchrec_lookahead.cache.tables import CachedTables
-from torchrec_lookahead.embedding.replicated import check_hot_rows
+from torchrec_lookahead.embedding.hot.layout import check_hot_rows
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import HostStore, MmapStore
@@ -80,7 +80,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             seed. Under DMP each rank keeps its shards in a directory of its
             own below this one.
         hot_rows: ids per table name to replicate on every rank under DMP (see
-            :mod:`~torchrec_lookahead.embedding.replicated`): looked up where
+            :mod:`~torchrec_lookahead.embedding.hot`): looked up where
             their samples are, their gradients summed across ranks. Needs SUM
             pooling, unweighted features, one row width for every table and
             each feature in one table. Unsharded, every row is local already:

@@ -28,7 +28,13 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.types import ModuleSharder, ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.types import (
+    ModuleSharder,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingEnv2D,
+    ShardingType,
+)
 from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -42,10 +48,11 @@ from torchrec_lookahead._compat import (
 from torchrec_lookahead.cache.tables import CachedTables
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.embedding.replicated import (
-    HotStep,
+from torchrec_lookahead.embedding.hot import (
+    HotInput,
+    HotLayout,
+    HotRowTier,
     ReplicaMetrics,
-    ReplicatedRows,
     RowRange,
 )
 from torchrec_lookahead.metrics import CacheMetrics
@@ -118,23 +125,33 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
         self.store = store
         self.table_names = [t.name for t in config.embedding_tables]
         self.row_starts = [_row_offset(t) for t in config.embedding_tables]
-        self.replicas: ReplicatedRows | None = None  # hot rows, folded into this shard's store
+        self._hot: HotRowTier | None = None  # replicas of some rows, see fold_replicas_from
         self.cached = CachedTables(
             [t.name for t in config.embedding_tables], self.local_rows, self.local_cols,
             self.feature_table_map, table_slots, store, optimizer, device, self.pooling, params,
         )  # fmt: skip
         self.use_fused_optimizer(CacheAwareFusedOptimizer(config, self.store_tbe, pg, self))
 
+    def fold_replicas_from(self, hot: HotRowTier) -> None:
+        """Some rows of this kernel's shards are replicated by ``hot``: their newest
+        values are there, and are folded into the store whenever it is written back."""
+        self._hot = hot
+
+    def owner_rows_loaded(self) -> None:
+        """The store was loaded (a checkpoint): its hot rows are newer than the replicas."""
+        if self._hot is not None:
+            self._hot.invalidate()
+
     def write_back(self) -> None:
         """Make the store current: the cache's updated rows, then the replicas of the
         shards' hot rows (which the owner's cache never sees)."""
         self.cached.write_back()
-        if self.replicas is None:
+        if self._hot is None:
             return
         for table, (name, start, rows) in enumerate(
             zip(self.table_names, self.row_starts, self.local_rows)
         ):
-            folded = self.replicas.fold(name, start, start + rows)
+            folded = self._hot.fold(name, start, start + rows)
             if folded is not None:
                 ids, weights, states = folded
                 self.store.scatter(table, torch.from_numpy(ids), weights, states)
@@ -204,7 +221,7 @@ class CacheAwareFusedOptimizer(FusedOptimizerBase):
     Its state tensors are the store's: reading them (``state``, which
     ``CombinedOptimizer`` and ``state_dict()`` go through) writes the cache
     (and the replicas of hot rows) back first, and loading them reloads the
-    cached rows' weights and state (the replicas reload at the next attach).
+    cached rows' weights and state (hot rows' replicas reload before they are next read).
     """
 
     def __init__(self, config, emb_module, pg, kernel: LookaheadFusedEmbeddingBag) -> None:  # noqa: ANN001
@@ -217,8 +234,7 @@ class CacheAwareFusedOptimizer(FusedOptimizerBase):
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
         self._kernel.cached.cache.refresh(states=True)
-        if self._kernel.replicas is not None:
-            self._kernel.replicas.loaded = False
+        self._kernel.owner_rows_loaded()
 
 
 class LookaheadPooledEmbeddingsLookup(LookupBase):
@@ -294,41 +310,76 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._feature_rows = {
             f: t.num_embeddings for t in self.embedding_bag_configs() for f in t.feature_names
         }
-        self._replicas = self._make_replicas(module.hot_rows) if module.hot_rows else None
-        self._running_hot: HotStep | None = None
+        self._hot = self._make_hot_tier(module.hot_rows) if module.hot_rows else None
+        self._hot_pg: dist.ProcessGroup | None = None  # the hot rows' update, made at attach
+        self._running_hot: HotInput | None = None
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
-    def _make_replicas(self, hot: dict[str, np.ndarray]) -> ReplicatedRows:
+    def _make_hot_tier(self, hot: dict[str, np.ndarray]) -> HotRowTier:
         """The hot rows' replicas on this rank, laid out like the plan's shards of them."""
-        infos = {info.embedding_config.name: info
-                 for per_type in self.sharding_type_to_sharding_infos.values()
-                 for info in per_type}  # fmt: skip
+        infos = {
+            info.embedding_config.name: info
+            for per_type in self.sharding_type_to_sharding_infos.values()
+            for info in per_type
+        }
         shards = {
-            name: [RowRange(md.placement.rank(), md.shard_offsets[0],
-                            md.shard_offsets[0] + md.shard_sizes[0])
-                   for md in infos[name].param_sharding.sharding_spec.shards]
+            name: [
+                RowRange(md.placement.rank(), md.shard_offsets[0],
+                         md.shard_offsets[0] + md.shard_sizes[0])
+                for md in infos[name].param_sharding.sharding_spec.shards
+            ]
             for name in hot
         }  # fmt: skip
-        params = dict(infos[next(iter(hot))].fused_params or {})
-        optimizer = params.pop("optimizer")
-        kernels = self.kernels
-        learning_rate = (kernels[0].store_tbe.get_learning_rate if kernels
-                         else lambda: float(params.get("learning_rate", 0.01)))  # fmt: skip
+        params = {name: dict(infos[name].fused_params or {}) for name in hot}
         configs = self.embedding_bag_configs()
-        replicas = ReplicatedRows(
-            hot, [f for t in configs for f in t.feature_names],
-            [t.name for t in configs for _ in t.feature_names],
-            {t.name: t.num_embeddings for t in configs}, shards, configs[0].embedding_dim,
-            optimizer, params, self._collective_device, learning_rate,
-        )  # fmt: skip
-        for kernel in kernels:
-            kernel.replicas = replicas
-        # The cold ids travel as a variable batch (bags of hot ids only dropped) where
-        # TorchRec's sharding and FBGEMM's kernel take one.
-        self._cold_variable_batch = not self._row_wise_on_gloo and (
-            self._collective_device.type == "cpu" or optimizer in VARIABLE_BATCH_OPTIMIZERS
+        layout = HotLayout(
+            hot,
+            keys=[f for t in configs for f in t.feature_names],
+            key_tables=[t.name for t in configs for _ in t.feature_names],
+            table_features={t.name: list(t.feature_names) for t in configs},
+            num_embeddings={t.name: t.num_embeddings for t in configs},
+            table_params=params,
+            shards=shards,
+            dim=configs[0].embedding_dim,
         )
-        return replicas
+        tier = HotRowTier(layout, self._collective_device, owners=self)
+        for kernel in self.kernels:
+            kernel.fold_replicas_from(tier)
+        # The cold ids travel as a variable batch (bags of hot ids only dropped) where
+        # TorchRec's sharding and FBGEMM's kernel take one: not row-wise over gloo, on
+        # CUDA only with some optimizers, on the CPU only where each sharding's tables
+        # share their fused settings, so that no rank's lookup has several kernels
+        # (TorchRec merges their variable-batch outputs into a preallocated output,
+        # which FBGEMM's CPU kernel does not write). Every rank decides alike: the
+        # input all-to-all differs for a variable batch.
+        optimizers = {p["optimizer"] for p in params.values()}
+        one_kernel = all(
+            len({repr(sorted((info.fused_params or {}).items())) for info in per_type}) <= 1
+            for per_type in self.sharding_type_to_sharding_infos.values()
+        )
+        on_cpu = self._collective_device.type == "cpu"
+        self._cold_variable_batch = not self._row_wise_on_gloo and (
+            one_kernel if on_cpu else optimizers <= set(VARIABLE_BATCH_OPTIMIZERS)
+        )
+        return tier
+
+    def shard_readers(self) -> dict[tuple[str, int], Any]:
+        """Per ``(table, first row)`` of a local shard, a reader of its rows (for the hot
+        rows' replicas)."""
+        return {
+            (name, start): partial(kernel.read_rows, table)
+            for kernel in self.kernels
+            for table, (name, start) in enumerate(zip(kernel.table_names, kernel.row_starts))
+        }
+
+    def learning_rates(self) -> dict[str, float]:
+        """The current learning rate of each table with a local shard: its kernel's, which
+        the fused optimizer sets (schedules included)."""
+        return {
+            name: kernel.store_tbe.get_learning_rate()
+            for kernel in self.kernels
+            for name in kernel.table_names
+        }
 
     @property
     def kernels(self) -> list[LookaheadFusedEmbeddingBag]:
@@ -338,14 +389,12 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
     @property
     def replica_metrics(self) -> ReplicaMetrics | None:
         """What the replicated hot rows served (``None`` without hot rows)."""
-        return None if self._replicas is None else self._replicas.metrics
+        return None if self._hot is None else self._hot.metrics
 
     def replica_rows(self) -> list[torch.Tensor]:
-        """The replicas of the hot rows on this rank: weights, then optimizer state."""
-        if self._replicas is None:
-            return []
-        self._replicas.settle()
-        return [self._replicas.weights, *self._replicas.states]
+        """The replicas of the hot rows on this rank: per group, weights, then optimizer
+        state."""
+        return [] if self._hot is None else self._hot.replica_rows()
 
     @property
     def store_files(self) -> StoreFiles | None:
@@ -377,20 +426,17 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             self._stage_input_dists = self.input_dists_on(self._stage_pg)
 
     def attach(self, window: Window) -> None:
+        ranks = dist.get_process_group_ranks(self.env.process_group)
         if self._stage_pg is None:  # a collective: every rank attaches in the same order
-            ranks = dist.get_process_group_ranks(self.env.process_group)
             self._stage_pg = dist.new_group(ranks=ranks)
             self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.attach(window)
         self._entered = 0
-        if self._replicas is not None:  # a collective: each shard's hot rows from its owner
-            stores = {(name, start): partial(kernel.read_rows, table)
-                      for kernel in self.kernels
-                      for table, (name, start) in enumerate(zip(kernel.table_names,
-                                                                kernel.row_starts))}  # fmt: skip
-            self._replicas.group = self.env.process_group
-            self._replicas.load(stores, self.env.process_group)
+        if self._hot is not None:  # collectives: the hot rows' layout agreed, then loaded
+            if self._hot_pg is None:
+                self._hot_pg = dist.new_group(ranks=ranks)
+            self._hot.attach(self._hot_pg)
 
     def prepare(
         self, features: KeyedJaggedTensor, refusal: ValueError | None = None
@@ -407,13 +453,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._agree(refusal or self._check_ids(features) or self._check_strides(features))
         start = time.thread_time()
         hot = None
-        if self._replicas is not None:
-            if not self._replicas.loaded:
-                raise RuntimeError("the replicated hot rows were not loaded since the "
-                                   "tables were: build the pipeline (it attaches) after loading")
-            features, hot = self._replicas.split(
-                features, self._cold_variable_batch, self._stage_pg, self._collective_device
-            )
+        if self._hot is not None:  # the union's exchange starts: a collective, ranks alike
+            features, hot = self._hot.prepare(features, self._cold_variable_batch, self._stage_pg)
         ctx = self.create_context()
         self.use_input_dists(self._stage_input_dists or None)  # this thread's: the stage's
         try:
@@ -444,7 +485,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         return None
 
     def _check_strides(self, features: KeyedJaggedTensor) -> ValueError | None:
-        if self._replicas is not None and features.variable_stride_per_key():
+        if self._hot is not None and features.variable_stride_per_key():
             return ValueError("a deduplicated (variable-batch) batch cannot be split for "
                               "replicated hot rows; send plain batches, or build the "
                               "collection without hot_rows")  # fmt: skip
@@ -502,10 +543,11 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         output = GatheredOutput.adopt(self.compute_and_output_dist(ctx, distributed), gather_bags)
         if hot is None:
             return output
-        assert self._replicas is not None
-        pooled = self._replicas.lookup(hot)  # while the cold outputs travel
+        assert self._hot is not None
+        pooled = self._hot.lookup(hot)  # while the cold outputs travel
         cold = output.wait()
-        values = cold.values() + self._replicas.in_order(pooled, cold.keys())
+        values = cold.values() + _in_order(pooled, self._hot.layout.keys, cold.keys(),
+                                           self._hot.layout.dim)  # fmt: skip
         return KeyedTensor(keys=cold.keys(), length_per_key=cold.length_per_key(), values=values)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -515,8 +557,18 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
     def _reload_caches(self) -> None:
         for group in self.cached_groups:
             group.cache.refresh()
-        if self._replicas is not None:  # reloaded from the owners at the next attach
-            self._replicas.loaded = False
+        if self._hot is not None:  # reloaded from the owners before they are next read
+            self._hot.invalidate()
+
+
+def _in_order(pooled: torch.Tensor, keys: list[str], wanted: list[str], dim: int) -> torch.Tensor:
+    """``pooled`` (features in ``keys``' order) with its features in ``wanted``'s order
+    (TorchRec's sharded output orders them by sharding)."""
+    if wanted == keys:
+        return pooled
+    index = torch.tensor([keys.index(k) for k in wanted], device=pooled.device)
+    per_key = pooled.view(pooled.shape[0], len(keys), dim)
+    return per_key.index_select(1, index).reshape(pooled.shape[0], -1)
 
 
 def _merge(planned: list[PlannedStep | None]) -> PlannedStep | None:
@@ -589,6 +641,13 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                     "a lookahead cache needs rows on every shard: shard it table-wise, or over "
                     "fewer ranks than it has rows"
                 )
+        if module.hot_rows and isinstance(env, ShardingEnv2D):
+            raise ValueError(
+                "hot rows are not replicated under 2D parallelism (DMPCollection): their "
+                "gradients are summed over the sharding group only, and the replica groups "
+                "would part; build the collection without hot_rows, or shard it with "
+                "DistributedModelParallel"
+            )
         whole_rows = {ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value,
                       ShardingType.TABLE_ROW_WISE.value}  # fmt: skip
         for name in module.hot_rows:

@@ -6,16 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from torchrec_lookahead.tbe import training_tbe
 from torchrec_lookahead.variable_batch import expand_pooled, keep_inverse_indices, tbe_batch_sizes
 
 __all__ = ["FullyResidentEmbeddingBagCollection"]
@@ -50,20 +47,16 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
         self._is_weighted = like.is_weighted()
         self._features = [f for t in self._configs for f in t.feature_names]
         self._dims = [t.embedding_dim for t in self._configs for _ in t.feature_names]
-        on_cuda = device.type == "cuda"
-        location = EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST
-        compute = ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU
         params = dict(fused_params)
         pooling = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
-        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            embedding_specs=[
-                (t.num_embeddings, t.embedding_dim, location, compute) for t in self._configs
-            ],  # fmt: skip
+        self.tbe = training_tbe(
+            [t.num_embeddings for t in self._configs],
+            [t.embedding_dim for t in self._configs],
+            params.pop("optimizer"),
+            params,
+            device,
+            pooling[self._configs[0].pooling],
             feature_table_map=[i for i, t in enumerate(self._configs) for _ in t.feature_names],
-            optimizer=params.pop("optimizer"),
-            pooling_mode=pooling[self._configs[0].pooling],
-            device=device,
-            **params,
         )
         source = like.state_dict()
         for config, weight in zip(self._configs, self.tbe.split_embedding_weights()):

@@ -1,0 +1,201 @@
+"""The hot-row tier of a sharded collection: split, lookup, exact update, owners.
+
+The calls it receives, in order (every rank alike):
+
+1. ``attach(group)`` when a pipeline attaches: checks that every rank holds the
+   same hot rows, and (re)loads the replicas from their owners unless they
+   are current.
+2. ``prepare(features, ...)`` per batch, on the stage's thread, ``L`` steps
+   ahead: the cold part for the owners, the hot part for the replicas, and the
+   union's exchange started (a collective on the stage's group).
+3. ``lookup(hot)`` in the step's forward: the hot part of the pooled output.
+   Its backward sums the step's hot-row gradients over the ranks in the
+   owners' order and applies them to every replica
+   (:mod:`~torchrec_lookahead.embedding.hot.sync`).
+4. ``fold(table, start, stop)`` whenever an owner's store is written back
+   (``state_dict``, optimizer state, eval): the replicas of its rows.
+5. ``invalidate()`` when the owners' tables were loaded: the replicas reload
+   from them at the next ``attach`` or ``lookup``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from torchrec_lookahead.embedding.hot.layout import HotLayout
+from torchrec_lookahead.embedding.hot.replicas import ReplicaTables, ShardReader
+from torchrec_lookahead.embedding.hot.split import HotSplit, direct_map, split_batch
+from torchrec_lookahead.embedding.hot.sync import ordered_sum, start_union, union_of
+
+__all__ = ["HotInput", "HotRowTier", "Owners", "ReplicaMetrics"]
+
+
+class Owners(Protocol):
+    """What the tier needs of this rank's owned shards."""
+
+    def shard_readers(self) -> Mapping[tuple[str, int], ShardReader]:
+        """Per ``(table, first row)`` of a local shard, a reader of its rows."""
+
+    def learning_rates(self) -> Mapping[str, float]:
+        """The current learning rate of each table with a local shard."""
+
+
+@dataclass(frozen=True)
+class HotInput:
+    """What the stage made of a batch for the replicas: its hot part and the union's
+    exchange, in flight until the step's backward."""
+
+    split: HotSplit
+    exchange: Any
+
+
+@dataclass
+class ReplicaMetrics:
+    """Lookups served by the replicas, of all lookups of the collection's features."""
+
+    lookups: int = 0
+    hot_lookups: int = 0
+    rows_synced: int = 0  # union rows summed over the ranks, over all steps
+
+    @property
+    def hot_share(self) -> float:
+        return self.hot_lookups / self.lookups if self.lookups else 0.0
+
+
+class HotRowTier:
+    """Replicated hot rows: looked up where their samples are, updated alike everywhere.
+
+    Args:
+        layout: the hot rows, their groups and their owners' shards.
+        device: where the replicas live and the collectives' tensors go.
+        owners: this rank's shards (readers and learning rates).
+    """
+
+    def __init__(self, layout: HotLayout, device: torch.device, owners: Owners) -> None:
+        self.layout = layout
+        self.device = device
+        self.replicas = ReplicaTables(layout, device)
+        self.metrics = ReplicaMetrics()
+        self._owners = owners
+        self._row_of = direct_map(layout)
+        self._group: dist.ProcessGroup | None = None
+        self._current = False  # the replicas hold the newest values of their rows
+        self._placeholder = torch.zeros(1, requires_grad=True)  # gives the lookup a backward
+
+    # ------------------------------------------------------------ lifecycle
+
+    def attach(self, group: dist.ProcessGroup | None) -> None:
+        """Check every rank holds this layout; load the replicas unless current. A
+        collective on ``group``, the ranks the update runs over."""
+        self._group = group
+        if group is not None and dist.get_world_size(group) > 1:
+            self._check_same_layout(group)
+        if not self._current:
+            self._load()
+
+    def invalidate(self) -> None:
+        """The owners' rows were loaded: reload the replicas before they are next read."""
+        self._current = False
+
+    def _load(self) -> None:
+        self.replicas.load(self._owners.shard_readers(), self._group)
+        self._current = True
+
+    def _check_same_layout(self, group: dist.ProcessGroup) -> None:
+        digest = np.frombuffer(self.layout.digest(), dtype=np.int64)
+        mine = torch.from_numpy(digest.copy()).to(self.device)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(everyone, mine, group=group)
+        differ = [r for r, other in enumerate(everyone) if not torch.equal(other, everyone[0])]
+        if differ:
+            raise ValueError(
+                f"ranks {differ} hold other hot rows (or optimizer settings for them) than "
+                "rank 0: every rank must build the collection with the same hot_rows"
+            )
+
+    # --------------------------------------------------------------- stage
+
+    def prepare(
+        self, features: KeyedJaggedTensor, variable_batch: bool, group: dist.ProcessGroup | None
+    ) -> tuple[KeyedJaggedTensor, HotInput]:
+        """Split a batch into its cold part and its hot part, and start the exchange of
+        the hot rows it touches (a collective on ``group``, the stage's)."""
+        cold, split = split_batch(self.layout, features, variable_batch, self.device, self._row_of)
+        self.metrics.lookups += split.ids
+        self.metrics.hot_lookups += len(split.rows)
+        return cold, HotInput(split, start_union(split, group))
+
+    # ------------------------------------------------------------- trainer
+
+    def lookup(self, hot: HotInput) -> torch.Tensor:
+        """The hot part of the step's pooled features, ``[batch, keys * dim]`` in the
+        collection's key order; its backward updates every replica."""
+        if not self._current:  # the owners were loaded since: a collective, ranks alike
+            self._load()
+        return _HotLookup.apply(self._placeholder, self, hot)
+
+    def update(self, hot: HotInput, grad: torch.Tensor) -> None:
+        """Sum the step's hot-row gradients over the ranks in the owners' order and apply
+        them to every replica, each table at its owner's learning rate."""
+        split, layout = hot.split, self.layout
+        union, positions = union_of(split, hot.exchange, layout.num_rows)
+        if not len(union):  # no rank's batch touched a hot row: nothing to send
+            return
+        keys, dim = len(layout.keys), layout.dim
+        per_bag = grad.view(split.batch, keys, dim).transpose(0, 1).reshape(-1, dim)
+        per_id = per_bag.index_select(0, split.bags)
+        world = dist.get_world_size(self._group) if self._group is not None else 1
+        if world > 1 and get_gradient_division():  # as TorchRec's owners divide theirs
+            per_id = per_id / world
+        starts = (0, *split.round_ends[:-1])
+        rounds = [(positions[a:b], per_id[a:b]) for a, b in zip(starts, split.round_ends)]
+        local = self._owners.learning_rates()
+        rates = np.array([local.get(name, np.nan) for name in layout.tables])
+        sums, rates = ordered_sum(rounds, len(union), dim, rates, self._group, self.device)
+        touched_tables = np.unique(layout.table_of_row[union.cpu().numpy()])
+        if np.isnan(rates[touched_tables]).any():
+            raise RuntimeError(
+                "no rank owns some hot tables' rows: the sharding plan and the hot rows disagree"
+            )
+        self.replicas.apply(union, sums, rates)
+        self.metrics.rows_synced += len(union)
+
+    # ------------------------------------------------------------ the owners
+
+    def fold(
+        self, name: str, start: int, stop: int
+    ) -> tuple[np.ndarray, torch.Tensor, list[torch.Tensor]] | None:
+        """The replicas of table ``name``'s rows ``[start, stop)`` for its owner's store
+        (``None`` if it has none, or the owner's rows are newer)."""
+        return self.replicas.fold(name, start, stop) if self._current else None
+
+    def replica_rows(self) -> list[torch.Tensor]:
+        """Every replica group's weights, then optimizer state (for checks)."""
+        return [t for g in range(len(self.layout.groups)) for t in self.replicas.tensors(g)]
+
+
+class _HotLookup(torch.autograd.Function):
+    """The replicas' lookup, whose backward is their synchronised update."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        placeholder: torch.Tensor,
+        tier: HotRowTier,
+        hot: HotInput,  # noqa: ANN001
+    ) -> torch.Tensor:
+        ctx.tier, ctx.hot = tier, hot
+        return tier.replicas.pooled(hot.split)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:  # noqa: ANN001
+        ctx.tier.update(ctx.hot, grad.contiguous())
+        return None, None, None
