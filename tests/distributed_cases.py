@@ -392,7 +392,7 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
 def check_malformed_batches(rank: int, world_size: int) -> None:
     """Every kind of malformed batch, each on one rank only (the first batch among them, for
     the cache sizing): refused on every rank together, training equal to plain TorchRec."""
-    from malformed import MALFORMED, malformed
+    from tests.malformed import MALFORMED, malformed
 
     case = Case("table_wise", "rowwise_adagrad", 8, steps=30, cache_load_factor=0.05)
     batches, (base, base_opt, _) = rank_data_and_baseline(case, rank, world_size)

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from distributed_cases import (
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from tests.distributed_cases import (
     OPTIMIZERS,
     Case,
     RowWiseOnCpuSharder,
@@ -28,10 +32,6 @@ from distributed_cases import (
     rank_data_and_baseline,
     tables,
 )
-from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
 from torchrec_lookahead.embedding.sharder import LookaheadEmbeddingBagCollectionSharder
 

@@ -15,8 +15,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from malformed import MALFORMED, malformed
-from models import (
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.malformed import MALFORMED, malformed
+from tests.models import (
     assert_same_training_state,
     batches,
     lookahead_model,
@@ -25,9 +28,6 @@ from models import (
     train_dropping_refused,
     train_reference,
 )
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
 from torchrec_lookahead.checks import BatchTypeError
 
@@ -141,7 +141,7 @@ BAD_MODULE_SETTINGS = [
 
 @pytest.mark.parametrize("kwargs, error", BAD_MODULE_SETTINGS)
 def test_bad_module_settings_are_refused_where_they_are_given(kwargs, error, tmp_path) -> None:
-    from models import UNWEIGHTED
+    from tests.models import UNWEIGHTED
 
     with pytest.raises(error, match=next(iter(kwargs))):
         LookaheadEmbeddingBagCollection(UNWEIGHTED, store_dir=tmp_path, **kwargs)

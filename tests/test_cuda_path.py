@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import (
+
+from tests.models import (
     UNWEIGHTED,
     assert_same_training_state,
     batches,
@@ -20,7 +21,6 @@ from models import (
     reference_twin,
     train_reference,
 )
-
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
 from torchrec_lookahead._compat import fake_cuda_tensors, fake_store
 from torchrec_lookahead.testing.streams import use_deferred_side_streams
@@ -79,8 +79,7 @@ def test_a_vote_on_a_refused_batch_uses_tensors_of_the_collectives_device() -> N
 def test_a_variable_batch_output_of_shape_1_by_n_expands() -> None:
     """Defect 3: FBGEMM's CUDA variable-batch forward returns ``[1, N]`` where the CPU's
     returns ``[N]``; the expansion split it along dim 0."""
-    from models import USER_KEYS, session_batches
-
+    from tests.models import USER_KEYS, session_batches
     from torchrec_lookahead.variable_batch import expand_pooled
 
     features = session_batches(1, session=4, dedup=True)[0].sparse_features

@@ -14,7 +14,11 @@ import re
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from models import (
+from torchrec.datasets.utils import Batch
+from torchrec.modules.embedding_modules import process_pooled_embeddings
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.models import (
     KEYS,
     USER_KEYS,
     assert_same_training_state,
@@ -25,10 +29,6 @@ from models import (
     train_lookahead,
     train_reference,
 )
-from torchrec.datasets.utils import Batch
-from torchrec.modules.embedding_modules import process_pooled_embeddings
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
 from torchrec_lookahead.data.dedup import DedupCounts, deduplicate
 from torchrec_lookahead.variable_batch import check_variable_batch_optimizer, gather_bags
 

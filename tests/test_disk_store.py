@@ -14,7 +14,11 @@ import os
 
 import pytest
 import torch
-from models import (
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+import torchrec_lookahead.embedding.collection as modules
+from tests.models import (
     assert_same_training_state,
     batches,
     lookahead_model,
@@ -22,10 +26,6 @@ from models import (
     train_lookahead,
     train_reference,
 )
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-import torchrec_lookahead.embedding.collection as modules
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.store.files import StoreFiles, advise_rows
 

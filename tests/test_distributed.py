@@ -6,7 +6,8 @@ import socket
 
 import pytest
 import torch.multiprocessing as mp
-from distributed_cases import (
+
+from tests.distributed_cases import (
     OPTIMIZERS,
     Case,
     hot_rows_worker,

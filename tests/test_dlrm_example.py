@@ -52,7 +52,8 @@ def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
         assert look["bytes_per_step"]["hot_sync"] > 0 and embedding[0] < embedding[1] / 2
     assert 0 < look["auroc"]["val"] < 1
     assert 0 < look["cache"]["hit_rate"] < 1 and len(look["hit_rate"]) == 30
-    assert "bitwise equal" in _summary_row(done.stdout, "final weights") and (tmp_path / "out" / "training.png").exists()
+    assert "bitwise equal" in _summary_row(done.stdout, "final weights")
+    assert (tmp_path / "out" / "training.png").exists()
     # Steady samples/s leaves out the first step (the window's fill, warm-up).
     for column in (look, base):
         steps = column["step_s"]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from models import (
+
+from tests.models import (
     assert_same_training_state,
     batches,
     lookahead_model,
@@ -25,7 +26,6 @@ from models import (
     train_lookahead,
     train_reference,
 )
-
 from torchrec_lookahead.streams import side_stream
 from torchrec_lookahead.testing.streams import DeferredSideStream, use_deferred_side_streams
 

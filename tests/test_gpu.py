@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import (
+
+from tests.models import (
     DENSE_LR,
     LR,
     OPTIMIZERS,
@@ -27,7 +28,6 @@ from models import (
     lookahead_model,
     session_batches,
 )
-
 from torchrec_lookahead import LookaheadTrainPipeline
 from torchrec_lookahead.testing.resident import FullyResidentEmbeddingBagCollection
 

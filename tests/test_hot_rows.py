@@ -201,7 +201,7 @@ def test_the_union_reads_a_bit_or_a_byte_per_row() -> None:
 
 
 def _spawn_hot(cases) -> None:  # noqa: ANN001
-    from hot_cases import hot_worker
+    from tests.hot_cases import hot_worker
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -214,7 +214,7 @@ def test_hot_rows_train_bitwise_like_plain_torchrec() -> None:
     is the owners' update, summed in the owners' order, so training is bitwise plain
     TorchRec's (before: 7.5e-9 apart at 30 steps, and row-wise Adagrad 0.86 apart after
     100 steps of the DLRM example, where a nearly cancelling sum rounded otherwise)."""
-    from hot_cases import HotCase
+    from tests.hot_cases import HotCase
 
     _spawn_hot([HotCase(optimizer=o) for o in ("sgd", "adagrad", "rowwise_adagrad")]
                + [HotCase(sharding_type="row_wise")])  # fmt: skip
@@ -224,7 +224,7 @@ def test_hot_rows_follow_a_learning_rate_schedule_and_per_table_optimizers() -> 
     """(a) The replicas' update uses the rate the owner uses at that step (before: the
     next step's, read when the update was applied). (d) Each table's own optimizer and
     rate (before: the first hot table's settings and kernels[0]'s rate for all)."""
-    from hot_cases import HotCase
+    from tests.hot_cases import HotCase
 
     _spawn_hot([HotCase(schedule=True), HotCase(per_table=True, schedule=True)])
 
@@ -235,7 +235,7 @@ def test_hot_rows_survive_a_new_pipeline_and_a_checkpoint_loaded_mid_run() -> No
     pipeline runs reaches the replicas before the next step reads them (before: the
     prepared steps trained on stale replicas, their updates dropped). (b) Ranks holding
     different hot rows are refused on every rank when the pipeline attaches."""
-    from hot_cases import HotCase
+    from tests.hot_cases import HotCase
 
     _spawn_hot([HotCase(reattach_at=7, steps=20), HotCase(reload_at=(4, 12), steps=24),
                 HotCase(mismatched_hot_rows=True, steps=2)])  # fmt: skip

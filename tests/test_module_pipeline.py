@@ -6,7 +6,11 @@ import logging
 
 import pytest
 import torch
-from models import (
+from torchrec.datasets.utils import Batch
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tests.models import (
     DATA_KEYS_UNKNOWN_TO_MODEL,
     UNWEIGHTED,
     assert_same_training_state,
@@ -17,10 +21,6 @@ from models import (
     train_lookahead,
     train_reference,
 )
-from torchrec.datasets.utils import Batch
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
 
 DATA = batches(40)

@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 import torch
-from contract import replay
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.contract import replay
 from torchrec_lookahead import OracleCacher
 from torchrec_lookahead.oracle import kernels
 from torchrec_lookahead.oracle.cacher import TIE_BREAKS

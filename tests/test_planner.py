@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from models import batches, lookahead_model, train_lookahead
 from torchrec.distributed.planner import Topology
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -20,6 +19,7 @@ from planners import (
     lookahead_planner,
     plan_report,
 )
+from tests.models import batches, lookahead_model, train_lookahead
 from torchrec_lookahead import (
     LookaheadEmbeddingBagCollection,
     LookaheadEmbeddingBagCollectionSharder,

@@ -8,14 +8,14 @@ import threading
 
 import pytest
 import torch
-from models import (
+
+from tests.models import (
     assert_same_training_state,
     batches,
     lookahead_model,
     reference_twin,
     train_reference,
 )
-
 from torchrec_lookahead import LookaheadTrainPipeline
 from torchrec_lookahead.cache.table import CacheTable
 

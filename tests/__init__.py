@@ -1,0 +1,1 @@
+"""The test suite: unit, whole-path and distributed tests, and the differential harness."""

@@ -1,0 +1,424 @@
+"""One configuration trained twice, under this project and under plain TorchRec, compared.
+
+Both models start from the same weights (plain TorchRec's, loaded into the
+lookahead model as a checkpoint) and train on the same batches, each rank its
+own. Plain TorchRec is ``EmbeddingBagCollection`` with TorchRec's sharder (its
+CUDA-only gate on row-wise sharding lifted) and ``TrainPipelineSparseDist``;
+this project is ``LookaheadEmbeddingBagCollection``, its sharder and
+``LookaheadTrainPipeline``. Every step's output, then every table shard,
+optimizer-state shard and dense parameter, must agree within the
+configuration's tolerance (0: bitwise).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim import SGD, Adagrad, RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from planners import optimizer_state_floats, propose_hot_rows
+from tests.exactness.configs import Config
+from torchrec_lookahead import (
+    LookaheadEmbeddingBagCollection,
+    LookaheadEmbeddingBagCollectionSharder,
+    LookaheadTrainPipeline,
+)
+from torchrec_lookahead.data.dedup import deduplicate
+
+__all__ = ["Divergence", "compare"]
+
+FUSED = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad}
+DENSE_IN = 13
+SESSION = 4  # samples sharing their deduplicated features
+
+
+@dataclass
+class Divergence:
+    """Where the two runs first part: the step (-1: the final state), what, by how much."""
+
+    step: int
+    what: str
+    gap: float
+
+
+class RowWiseOnCpuSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's sharder with its CUDA-only gate on row-wise sharding lifted."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        extra = [ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value]
+        return types + [t for t in extra if t not in types]
+
+
+class Ranker(torch.nn.Module):
+    """A ranking model over any tables: dense features through a layer, beside every
+    pooled feature, into a logit (DLRMTrain's outputs: loss, then (loss, logits, labels))."""
+
+    def __init__(self, ebc: torch.nn.Module, pooled_width: int) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.dense = torch.nn.Linear(DENSE_IN, 8)
+        self.over = torch.nn.Linear(8 + pooled_width, 1)
+
+    def forward(self, batch: Batch):  # noqa: ANN201
+        pooled = self.ebc(batch.sparse_features)
+        dense = torch.relu(self.dense(batch.dense_features))
+        logits = self.over(torch.cat([dense, pooled.values()], dim=1)).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+# ------------------------------------------------------------------ data
+
+
+def rank_batches(config: Config, rank: int) -> list[Batch]:
+    """Rank ``rank``'s batches: Zipf ids (a table's row order shuffled), one id a bag or
+    0 to 5, weights in [0.5, 1.5] where weighted, sessions of ``SESSION`` samples
+    sharing the first feature of each table where deduplicated."""
+    out = []
+    for step in range(config.steps):
+        rng = np.random.default_rng([config.seed, config.index, rank, step])
+        keys, lengths, values = [], [], []
+        for table in config.tables:
+            order = np.random.default_rng([config.seed, config.index, 7]).permutation(table.rows)
+            for k, feature in enumerate(table.features):
+                samples = config.batch // SESSION if config.dedup and k == 0 else config.batch
+                n = rng.poisson(1.5, samples) if table.multi_hot else np.ones(samples, np.int64)
+                ids = order[np.minimum(rng.zipf(1.3, int(n.sum())) - 1, table.rows - 1)]
+                if samples < config.batch:  # a session's samples share the bag
+                    starts = np.concatenate([[0], np.cumsum(n)])
+                    bags = [ids[starts[i] : starts[i + 1]] for i in range(samples)]
+                    n = np.repeat(n, SESSION)
+                    ids = np.concatenate([bags[i // SESSION] for i in range(config.batch)])
+                keys.append(feature)
+                lengths.append(n)
+                values.append(ids)
+        values_all = torch.from_numpy(np.concatenate(values).astype(np.int64))
+        weights = (
+            torch.from_numpy(rng.uniform(0.5, 1.5, len(values_all)).astype(np.float32))
+            if config.weighted
+            else None
+        )
+        features = KeyedJaggedTensor(
+            keys=keys,
+            values=values_all,
+            lengths=torch.from_numpy(np.concatenate(lengths).astype(np.int64)),
+            weights=weights,
+        )
+        if config.dedup:
+            features = deduplicate(features, [t.features[0] for t in config.tables])
+        dense = torch.from_numpy(rng.standard_normal((config.batch, DENSE_IN)).astype(np.float32))
+        labels = torch.from_numpy((rng.random(config.batch) < 0.3).astype(np.int64))
+        out.append(Batch(dense_features=dense, sparse_features=features, labels=labels))
+    return out
+
+
+def bad_batch(batch: Batch, config: Config) -> Batch:
+    """``batch`` with one id out of its table's range."""
+    features = batch.sparse_features
+    values = features.values().clone()
+    if len(values):
+        values[0] = config.tables[0].rows + 1
+    else:
+        values = torch.tensor([config.tables[0].rows + 1])
+    lengths = features.lengths().clone()
+    if not len(features.values()):
+        lengths[0] = 1
+    bad = KeyedJaggedTensor(
+        keys=features.keys(),
+        values=values,
+        lengths=lengths,
+        weights=features.weights_or_none(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank()
+        if features.variable_stride_per_key()
+        else None,
+        inverse_indices=features.inverse_indices_or_none(),
+    )
+    return Batch(batch.dense_features, bad, batch.labels)
+
+
+def hot_rows(config: Config) -> dict[str, list[int]] | None:
+    """The rows to replicate: ids seen at least twice in the first steps' global batches
+    (``on``), or the planner's choice within half the memory it would use (``budget``)."""
+    if config.hot == "off":
+        return None
+    everyone = [rank_batches(config, r)[: min(5, config.steps)] for r in range(config.world_size)]
+    samples = {
+        t.name: [
+            np.concatenate(
+                [b.sparse_features[f].values().numpy() for b in step for f in t.features]
+            )
+            for step in zip(*everyone)
+        ]
+        for t in config.tables
+    }
+    if config.hot == "on":
+        chosen = {}
+        for name, steps in samples.items():
+            ids, counts = np.unique(np.concatenate(steps), return_counts=True)
+            if len(ids[counts >= 2]):
+                chosen[name] = ids[counts >= 2].tolist()
+        return chosen
+    state = max(optimizer_state_floats(_emb_opt(t.optimizer), t.dim) for t in config.tables)
+    full = propose_hot_rows(samples, config.world_size, config.tables[0].dim, state)
+    budget = sum(full.replica_bytes.values()) // 2
+    proposal = propose_hot_rows(samples, config.world_size, config.tables[0].dim, state, budget)
+    return {name: list(ids) for name, ids in proposal.hot.items() if len(ids)}
+
+
+def _emb_opt(name: str):  # noqa: ANN202
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return {
+        "sgd": EmbOptimType.EXACT_SGD,
+        "adagrad": EmbOptimType.EXACT_ADAGRAD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    }[name]
+
+
+# ------------------------------------------------------------------ models
+
+
+def table_configs(config: Config) -> list[EmbeddingBagConfig]:
+    pooling = PoolingType.MEAN if config.pooling == "mean" else PoolingType.SUM
+    return [
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=t.dim,
+            num_embeddings=t.rows,
+            feature_names=list(t.features),
+            pooling=pooling,
+        )
+        for t in config.tables
+    ]
+
+
+def build(config: Config, lookahead: bool, hot: dict | None = None, store_dir: str | None = None):
+    """A DMP model of ``config`` (lookahead or plain), its optimizer and its plan."""
+    meta = torch.device("meta")
+    if lookahead:
+        ebc = LookaheadEmbeddingBagCollection(
+            table_configs(config),
+            is_weighted=config.weighted,
+            device=meta,
+            cache_load_factor=config.cache_load_factor,
+            store_dir=store_dir,
+            hot_rows=hot,
+        )
+        sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
+    else:
+        ebc = EmbeddingBagCollection(
+            table_configs(config), is_weighted=config.weighted, device=meta
+        )
+        sharders = [RowWiseOnCpuSharder()]
+    width = sum(t.dim * len(t.features) for t in config.tables)
+    model = Ranker(ebc, width)
+    for t in config.tables:
+        weight = ebc.embedding_bags[t.name].weight
+        apply_optimizer_in_backward(FUSED[t.optimizer], [weight], {"lr": t.lr})
+    constraints = {
+        t.name: ParameterConstraints(
+            sharding_types=[t.sharding], compute_kernels=["fused"], min_partition=max(4, t.dim // 2)
+        )
+        for t in config.tables
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=config.world_size, compute_device="cpu"),
+        batch_size=config.batch,
+        constraints=constraints,
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense]), str(plan)
+
+
+# ------------------------------------------------------------------ comparing
+
+
+def rate_factor(config: Config, step: int) -> float:
+    if config.schedule == "warmup_decay":
+        return min(1.0, (step + 1) / 4) * max(0.0, min(1.0, (config.steps - step) / 6))
+    if config.schedule == "random":
+        return float(np.random.default_rng([config.seed, config.index, 99, step]).uniform(0, 1.5))
+    return 1.0
+
+
+def _local(value) -> list[torch.Tensor]:  # noqa: ANN001
+    if hasattr(value, "local_shards"):
+        return [shard.tensor for shard in value.local_shards()]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    if torch.equal(a, b):
+        return 0.0
+    return float((a.float() - b.float()).abs().max()) if a.numel() else float("inf")
+
+
+def _state_gap(expected: dict, got: dict, what: str) -> tuple[float, str]:
+    if list(expected) != list(got):
+        return float("inf"), f"{what} keys"
+    worst, where = 0.0, ""
+    for key in expected:
+        for a, b in zip(_local(expected[key]), _local(got[key]), strict=True):
+            gap = _gap(a, b)
+            if gap > worst:
+                worst, where = gap, f"{what} {key}"
+    return worst, where
+
+
+class _Run:
+    """This project's side of a comparison: its model, optimizer, pipeline and stream."""
+
+    def __init__(self, config: Config, hot: dict | None, base, stream: list[Batch]) -> None:  # noqa: ANN001
+        self.config, self.hot, self.stream, self.next = config, hot, stream, 0
+        self.dirs: list[str] = []
+        self.model, self.optimizer, self.plan = self._new_model()
+        self.model.load_state_dict(base[0].state_dict())  # plain TorchRec's weights
+        self.pipeline = self._pipeline()
+
+    def _new_model(self):  # noqa: ANN202
+        store = None
+        if self.config.disk_store:
+            store = tempfile.mkdtemp(prefix="exactness-store-")
+            self.dirs.append(store)
+        return build(self.config, True, self.hot, store)
+
+    def _pipeline(self) -> LookaheadTrainPipeline:
+        return LookaheadTrainPipeline(
+            self.model,
+            self.optimizer,
+            torch.device("cpu"),
+            lookahead=self.config.lookahead,
+            prefetch_distance=self.config.prefetch_distance,
+            stage_thread=self.config.stage_thread,
+        )
+
+    def step(self) -> torch.Tensor:
+        """The next step's logits; batches the pipeline refuses are skipped."""
+        if self.next == 0:
+            self._iter = iter(self.stream)
+        while True:
+            try:
+                logits = self.pipeline.progress(self._iter)[1]
+                self.next += 1
+                return logits
+            except ValueError:
+                self.next += 1  # the refused batch, dropped on every rank
+
+    def reattach(self) -> None:
+        self.pipeline.close()
+        self.pipeline = self._pipeline()
+        self._iter = iter(self.stream[self.next :])
+
+    def resume(self) -> None:
+        """A checkpoint of this model loaded into a new one, which trains on."""
+        state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+        self.pipeline.close()
+        self.model, self.optimizer, _ = self._new_model()
+        self.model.load_state_dict(state)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.pipeline = self._pipeline()
+        self._iter = iter(self.stream[self.next :])
+
+    def close(self) -> None:
+        self.pipeline.close()
+        for folder in self.dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
+    """Train ``config`` both ways on this rank; the first divergence (or None) and the
+    largest difference seen."""
+    torch.manual_seed(config.index)
+    batches = rank_batches(config, rank)
+    hot = hot_rows(config)
+    base = build(config, False)
+    events = dict(config.events)
+    stream = list(batches)
+    for step, event in sorted(events.items(), reverse=True):
+        if event == "refuse":  # after step ``step``, one rank's batch has a bad id
+            bad = bad_batch(batches[step + 1], config) if rank == step % config.world_size else None
+            stream.insert(step + 1, bad or batches[step + 1])
+    run = _Run(config, hot, base, stream)
+    if run.plan != base[2]:
+        run.close()
+        return Divergence(-1, "the sharding plans differ", float("inf")), float("inf")
+    snapshot = build(config, False) if "reload" in events.values() else None
+    reload_from = {s: s // 2 for s, e in events.items() if e == "reload"}
+    rates = [[g["lr"] for g in o.param_groups] for o in (base[1], run.optimizer)]
+    base_pipe = TrainPipelineSparseDist(base[0], base[1], torch.device("cpu"))
+    base_iter = iter(batches)
+    worst = 0.0
+    try:
+        for step in range(config.steps):
+            for optimizer, base_rates in zip((base[1], run.optimizer), rates):
+                for group, lr in zip(optimizer.param_groups, base_rates):
+                    group["lr"] = lr * rate_factor(config, step)
+            expected = base_pipe.progress(base_iter)[1][1]
+            got = run.step()[1]
+            gap = _gap(expected, got)
+            worst = max(worst, gap)
+            if gap > config.tolerance:
+                return Divergence(step, "output", gap), worst
+            if snapshot is not None and step in reload_from.values():
+                snapshot[0].load_state_dict(base[0].state_dict())
+                snapshot[1].load_state_dict(base[1].state_dict())
+            event = events.get(step)
+            if event == "eval":
+                base_pipe.detach()  # TorchRec's pipeline rewrote the forward
+                probe = batches[0]
+                for model in (base[0], run.model):
+                    model.eval()
+                with torch.no_grad():
+                    gap = _gap(base[0](probe)[1][1], run.model(probe)[1][1])
+                for model in (base[0], run.model):
+                    model.train()
+                worst = max(worst, gap)
+                if gap > config.tolerance:
+                    return Divergence(step, "eval output", gap), worst
+                base_pipe = TrainPipelineSparseDist(base[0], base[1], torch.device("cpu"))
+                base_iter = iter(batches[step + 1 :])
+            elif event == "reattach":
+                run.reattach()
+            elif event == "resume":
+                run.resume()
+            elif event == "reload":
+                assert snapshot is not None
+                for model, optimizer in ((base[0], base[1]), (run.model, run.optimizer)):
+                    model.load_state_dict(snapshot[0].state_dict())
+                    optimizer.load_state_dict(snapshot[1].state_dict())
+        base_pipe.detach()
+        run.pipeline.close()
+        for what, expected, got in (
+            ("table or dense parameter", base[0].state_dict(), run.model.state_dict()),
+            ("optimizer state", base[1].state_dict()["state"], run.optimizer.state_dict()["state"]),
+        ):
+            gap, where = _state_gap(expected, got, what)
+            worst = max(worst, gap)
+            if gap > config.tolerance:
+                return Divergence(-1, where, gap), worst
+        return None, worst
+    finally:
+        run.close()

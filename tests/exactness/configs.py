@@ -1,0 +1,152 @@
+"""The configurations the differential harness draws: every setting the project promises
+to train exactly like plain TorchRec, combined at random.
+
+A configuration is a pure function of ``(seed, index)``, so any one of them can
+be run again alone (``EXACTNESS_SEED=S EXACTNESS_ONLY=k make exactness``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["EVENTS", "OPTIMIZERS", "Config", "TableSpec", "draw"]
+
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")  # what FBGEMM's CPU TBE runs
+SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+ROWS = (1, 2, 3, 5, 8, 20, 60, 300, 2_000, 20_000, 100_000)
+ROWS_P = np.array([6, 5, 4, 4, 3, 3, 3, 2, 2, 1, 1], dtype=float)
+# Mid-run events: an eval forward; a checkpoint resumed into a new model; the pipeline
+# closed and another attached; a checkpoint of an earlier step loaded while the pipeline
+# runs; a batch with a bad id on one rank (refused on every rank).
+EVENTS = ("eval", "resume", "reattach", "reload", "refuse")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    rows: int
+    dim: int
+    features: tuple[str, ...]
+    sharding: str
+    optimizer: str
+    lr: float
+    multi_hot: bool  # bags of 0 to several ids (else one id per bag, as Criteo's)
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int
+    index: int
+    world_size: int
+    tables: tuple[TableSpec, ...]
+    pooling: str  # "sum" or "mean"
+    weighted: bool
+    batch: int  # per rank
+    steps: int
+    cache_load_factor: float
+    lookahead: int
+    prefetch_distance: int
+    hot: str  # "off", "on" (rows seen often), "budget" (the planner's, within a budget)
+    dedup: bool  # the first feature of each table deduplicated over sessions of 4 samples
+    disk_store: bool
+    schedule: str  # "none", "warmup_decay", "random" (a new rate every step)
+    events: tuple[tuple[int, str], ...]  # (after step, event)
+    stage_thread: bool
+
+    @property
+    def features(self) -> list[str]:
+        return [f for t in self.tables for f in t.features]
+
+    @property
+    def tolerance(self) -> float:
+        """0 (bitwise) unless a bag can mix hot and cold ids: its pooled sum is then its
+        cold sum plus its hot sum, within rounding of TorchRec's sum."""
+        mixed = self.hot != "off" and any(t.multi_hot for t in self.tables)
+        return 1e-5 if mixed else 0.0
+
+    def describe(self) -> str:
+        tables = ",".join(
+            f"{t.rows}x{t.dim}{'x' + str(len(t.features)) if len(t.features) > 1 else ''}"
+            f":{''.join(w[0] for w in t.sharding.split('_'))}"
+            f":{t.optimizer}@{t.lr:g}{':multi' if t.multi_hot else ''}"
+            for t in self.tables
+        )
+        extras = [
+            f"pool={self.pooling}" if self.pooling != "sum" else "",
+            "weighted" if self.weighted else "",
+            f"hot={self.hot}" if self.hot != "off" else "",
+            "dedup" if self.dedup else "",
+            "disk" if self.disk_store else "",
+            f"lr={self.schedule}" if self.schedule != "none" else "",
+            "inline" if not self.stage_thread else "",
+            " ".join(f"{e}@{s}" for s, e in self.events),
+        ]
+        return (
+            f"ws={self.world_size} [{tables}] B={self.batch} steps={self.steps} "
+            f"clf={self.cache_load_factor:.3g} L={self.lookahead} d={self.prefetch_distance} "
+            + " ".join(e for e in extras if e)
+        )
+
+
+def draw(seed: int, index: int) -> Config:
+    """Configuration ``index`` of the stream drawn from ``seed``."""
+    rng = np.random.default_rng([seed, index])
+    world_size = int(rng.choice([1, 2, 4], p=[0.3, 0.5, 0.2]))
+    hot = str(rng.choice(["off", "on", "budget"], p=[0.4, 0.4, 0.2]))
+    replicable = hot != "off"
+    pooling = "sum" if replicable or rng.random() < 0.75 else "mean"
+    weighted = not replicable and rng.random() < 0.25
+    shared_dim = int(rng.choice([4, 8, 16]))
+    one_optimizer = rng.random() < 0.6
+    optimizer, lr = str(rng.choice(OPTIMIZERS)), float(rng.choice([0.02, 0.05, 0.1, 0.3]))
+    tables = []
+    for t in range(int(rng.integers(1, 5))):
+        rows = int(rng.choice(ROWS, p=ROWS_P / ROWS_P.sum()))
+        dim = shared_dim if replicable or rng.random() < 0.5 else int(rng.choice([4, 8, 16]))
+        shardings = [
+            s
+            for s in SHARDINGS
+            if ("column" not in s or (dim >= 8 and not replicable))
+            and ("row" not in s or rows >= world_size)
+        ]
+        features = (f"f{t}",) if rng.random() < 0.8 else (f"f{t}a", f"f{t}b")
+        tables.append(
+            TableSpec(
+                name=f"t{t}",
+                rows=rows,
+                dim=dim,
+                features=features,
+                sharding=str(rng.choice(shardings)),
+                optimizer=optimizer if one_optimizer else str(rng.choice(OPTIMIZERS)),
+                lr=lr if one_optimizer else float(rng.choice([0.02, 0.05, 0.1, 0.3])),
+                multi_hot=bool(rng.random() < 0.3),
+            )
+        )
+    row_wise_over_gloo = world_size > 1 and any("row" in t.sharding for t in tables)
+    dedup = not replicable and not weighted and not row_wise_over_gloo and rng.random() < 0.25
+    steps = int(rng.integers(10, 31))
+    events = sorted(
+        (int(rng.integers(1, steps - 2)), str(rng.choice(EVENTS)))
+        for _ in range(int(rng.choice([0, 1, 2], p=[0.35, 0.4, 0.25])))
+    )
+    return Config(
+        seed=seed,
+        index=index,
+        world_size=world_size,
+        tables=tuple(tables),
+        pooling=pooling,
+        weighted=weighted,
+        batch=int(rng.choice([4, 8, 16, 32])),
+        steps=steps,
+        cache_load_factor=float(np.exp(rng.uniform(np.log(0.01), 0.0))),
+        lookahead=int(rng.choice([1, 2, 4, 8, 16])),
+        prefetch_distance=int(rng.choice([0, 1, 2])),
+        hot=hot,
+        dedup=dedup,
+        disk_store=bool(rng.random() < 0.2),
+        schedule=str(rng.choice(["none", "warmup_decay", "random"], p=[0.5, 0.3, 0.2])),
+        events=tuple(dict(events).items()),  # one event per step at most
+        stage_thread=bool(rng.random() < 0.7),
+    )
