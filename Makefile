@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo oracle test test-compat lint docs gpu-check bench clean
+.PHONY: install demo oracle test test-compat exactness lint docs gpu-check bench clean
 
 install: $(STAMP)
 
@@ -23,6 +23,20 @@ oracle: install
 
 test: install
 	$(PY) -m pytest -q
+
+# The differential harness: EXACTNESS_CONFIGS random configurations drawn from
+# EXACTNESS_SEED (EXACTNESS_ONLY=i,j: just those; EXACTNESS_HOT_ROWS=1: every one with
+# replicated hot rows), each trained under this project and
+# under plain TorchRec and compared step by step. Last line: "exactness: K of N
+# configurations agree"; fails unless all do.
+EXACTNESS_CONFIGS ?= 20
+EXACTNESS_SEED ?= 0
+EXACTNESS_ONLY ?=
+EXACTNESS_HOT_ROWS ?=
+exactness: install
+	EXACTNESS_CONFIGS=$(EXACTNESS_CONFIGS) EXACTNESS_SEED=$(EXACTNESS_SEED) \
+	EXACTNESS_ONLY=$(EXACTNESS_ONLY) EXACTNESS_HOT_ROWS=$(EXACTNESS_HOT_ROWS) \
+	$(PY) -m tests.exactness
 
 # The suite again against the newest TorchRec release and its torch / FBGEMM
 # (requirements/compat.txt), in a second virtual environment.

@@ -270,3 +270,51 @@ def test_hot_rows_under_2d_parallelism_are_refused() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_refuse_2d, args=(port,), nprocs=1, join=True)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("features", [1, 2])
+def test_the_replicas_apply_what_fbgemm_applies_to_the_owners_bags(optimizer, features) -> None:
+    """The owner's FBGEMM adds a row's bag gradients one by one, in float32, in bag order
+    (feature by feature for a shared table); a replica given that sum, a bag per row,
+    ends bitwise where the owner's row ends, also where the gradients nearly cancel."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from torchrec_lookahead.embedding.hot import HotLayout, RowRange
+    from torchrec_lookahead.embedding.hot.replicas import ReplicaTables
+    from torchrec_lookahead.embedding.hot.sync import ordered_sum
+    from torchrec_lookahead.tbe import training_tbe
+
+    kind = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
+            "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optimizer]  # fmt: skip
+    rows, dim, batch = 20, 8, 150
+    params = {"learning_rate": 0.1, "eps": 1e-8}
+    keys = [f"f{k}" for k in range(features)]
+    layout = HotLayout({"t": np.arange(rows)}, keys, ["t"] * features, {"t": keys}, {"t": rows},
+                       {"t": {"optimizer": kind, **params}}, {"t": [RowRange(0, 0, rows)]}, dim)  # fmt: skip
+    rng = np.random.default_rng(features)
+    for trial in range(20):
+        owner = training_tbe([rows], dim, kind, params, torch.device("cpu"),
+                             features_per_table=features)  # fmt: skip
+        replicas = ReplicaTables(layout, torch.device("cpu"))
+        start = torch.randn(rows, dim)
+        owner.split_embedding_weights()[0].data.copy_(start)
+        replicas.tensors(0)[0].copy_(start)
+        ids = rng.integers(0, rows, features * batch)  # a bag each, feature-major
+        scale = 10.0 ** rng.uniform(-6, 0, (features * batch, 1))
+        grads = torch.from_numpy((rng.standard_normal((features * batch, dim)) * scale)
+                                 .astype(np.float32))  # fmt: skip
+        owner(torch.from_numpy(ids), torch.arange(features * batch + 1)).backward(
+            grads.view(features, batch, dim).transpose(0, 1).reshape(batch, features * dim)
+        )
+        union = np.unique(ids)
+        positions = torch.from_numpy(np.searchsorted(union, ids))
+        rounds = [(positions[k * batch : (k + 1) * batch], grads[k * batch : (k + 1) * batch])
+                  for k in range(features)]  # fmt: skip
+        sums, rates = ordered_sum(rounds, len(union), dim, np.array([0.1]), None,
+                                  torch.device("cpu"))  # fmt: skip
+        replicas.apply(torch.from_numpy(union), sums, rates)
+        mine, theirs = replicas.tensors(0), [owner.split_embedding_weights()[0]]
+        theirs += list(owner.split_optimizer_states()[0]) if optimizer != "sgd" else []
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a, b.view_as(a)), f"trial {trial}: {(a - b.view_as(a)).abs().max()}"

@@ -170,6 +170,11 @@ def hot_rows(config: Config) -> dict[str, list[int]] | None:
         for t in config.tables
     }
     if config.hot == "on":
+        import os
+
+        keep = os.environ.get("DBG_HOT")
+        if keep is not None:
+            samples = {k: v for k, v in samples.items() if k in keep.split(",")}
         chosen = {}
         for name, steps in samples.items():
             ids, counts = np.unique(np.concatenate(steps), return_counts=True)
@@ -210,7 +215,13 @@ def table_configs(config: Config) -> list[EmbeddingBagConfig]:
     ]
 
 
-def build(config: Config, lookahead: bool, hot: dict | None = None, store_dir: str | None = None):
+def build(
+    config: Config,
+    lookahead: bool,
+    hot: dict | None = None,
+    store_dir: str | None = None,
+    min_cache_rows: int = 1,
+):
     """A DMP model of ``config`` (lookahead or plain), its optimizer and its plan."""
     meta = torch.device("meta")
     if lookahead:
@@ -221,6 +232,7 @@ def build(config: Config, lookahead: bool, hot: dict | None = None, store_dir: s
             cache_load_factor=config.cache_load_factor,
             store_dir=store_dir,
             hot_rows=hot,
+            min_cache_rows=min_cache_rows,
         )
         sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     else:
@@ -270,6 +282,13 @@ def _local(value) -> list[torch.Tensor]:  # noqa: ANN001
     return [value] if isinstance(value, torch.Tensor) else []
 
 
+def _everywhere(gap: float) -> float:
+    """The largest of every rank's ``gap`` (so that all ranks stop at the same step)."""
+    worst = torch.tensor([gap], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst.item())
+
+
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
     if torch.equal(a, b):
         return 0.0
@@ -288,11 +307,53 @@ def _state_gap(expected: dict, got: dict, what: str) -> tuple[float, str]:
     return worst, where
 
 
+def _first_state_gap(base, run) -> str:  # noqa: ANN001
+    """The tensors that differ most after a step whose outputs differ (the step's update)."""
+    found = []
+    for what, expected, got in (
+        ("table or dense parameter", base[0].state_dict(), run.model.state_dict()),
+        ("optimizer state", base[1].state_dict()["state"], run.optimizer.state_dict()["state"]),
+    ):
+        gap, where = _state_gap(expected, got, what)
+        if gap:
+            found.append(f"{where} by {gap:.3g}")
+    return "; ".join(found) or "no state differs"
+
+
+def window_floor(config: Config) -> int:
+    """The cache rows a window may need where batches vary in size (bags of several ids,
+    deduplicated sessions), which a window's first batch does not bound: ``d + 1`` times
+    the most ids any table gets from all ranks' batches of one step. (Fixed-shape
+    batches need none: the caches size themselves from the first.)"""
+    if not any(t.multi_hot for t in config.tables) and not config.dedup:
+        return 1
+    everyone = [rank_batches(config, r) for r in range(config.world_size)]
+    most = 0
+    for step in zip(*everyone):
+        for t in config.tables:
+            most = max(
+                most, sum(b.sparse_features[f].values().numel() for b in step for f in t.features)
+            )
+    return (config.prefetch_distance + 1) * max(most, 1)
+
+
 class _Run:
     """This project's side of a comparison: its model, optimizer, pipeline and stream."""
 
-    def __init__(self, config: Config, hot: dict | None, base, stream: list[Batch]) -> None:  # noqa: ANN001
-        self.config, self.hot, self.stream, self.next = config, hot, stream, 0
+    def __init__(
+        self,
+        config: Config,
+        hot: dict | None,
+        base,
+        batches: list[Batch],  # noqa: ANN001
+        stream: list[Batch],
+        refusals: int,
+    ) -> None:
+        self.config, self.hot, self.batches = config, hot, batches
+        self.refusals = refusals  # batches of ``stream`` meant to be refused
+        self.trained = 0
+        self._iter = iter(stream)
+        self.min_cache_rows = window_floor(config)
         self.dirs: list[str] = []
         self.model, self.optimizer, self.plan = self._new_model()
         self.model.load_state_dict(base[0].state_dict())  # plain TorchRec's weights
@@ -303,7 +364,7 @@ class _Run:
         if self.config.disk_store:
             store = tempfile.mkdtemp(prefix="exactness-store-")
             self.dirs.append(store)
-        return build(self.config, True, self.hot, store)
+        return build(self.config, True, self.hot, store, self.min_cache_rows)
 
     def _pipeline(self) -> LookaheadTrainPipeline:
         return LookaheadTrainPipeline(
@@ -316,21 +377,24 @@ class _Run:
         )
 
     def step(self) -> torch.Tensor:
-        """The next step's logits; batches the pipeline refuses are skipped."""
-        if self.next == 0:
-            self._iter = iter(self.stream)
+        """The next step's logits. A refusal of a batch meant to be refused (raised when
+        it enters the window) is taken, any other raised."""
         while True:
             try:
                 logits = self.pipeline.progress(self._iter)[1]
-                self.next += 1
+                self.trained += 1
                 return logits
-            except ValueError:
-                self.next += 1  # the refused batch, dropped on every rank
+            except ValueError as error:
+                expected = "out of range" in str(error) or "another rank refused" in str(error)
+                if not expected or not self.refusals:
+                    raise
+                self.refusals -= 1  # dropped on every rank
 
     def reattach(self) -> None:
         self.pipeline.close()
         self.pipeline = self._pipeline()
-        self._iter = iter(self.stream[self.next :])
+        self._iter = iter(self.batches[self.trained :])
+        self.refusals = 0  # a bad batch not yet read is left out with the rest
 
     def resume(self) -> None:
         """A checkpoint of this model loaded into a new one, which trains on."""
@@ -340,7 +404,8 @@ class _Run:
         self.model.load_state_dict(state)
         self.optimizer.load_state_dict(optimizer_state)
         self.pipeline = self._pipeline()
-        self._iter = iter(self.stream[self.next :])
+        self._iter = iter(self.batches[self.trained :])
+        self.refusals = 0
 
     def close(self) -> None:
         self.pipeline.close()
@@ -361,7 +426,8 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
         if event == "refuse":  # after step ``step``, one rank's batch has a bad id
             bad = bad_batch(batches[step + 1], config) if rank == step % config.world_size else None
             stream.insert(step + 1, bad or batches[step + 1])
-    run = _Run(config, hot, base, stream)
+    refusals = sum(e == "refuse" for e in events.values())
+    run = _Run(config, hot, base, batches, stream, refusals)
     if run.plan != base[2]:
         run.close()
         return Divergence(-1, "the sharding plans differ", float("inf")), float("inf")
@@ -378,10 +444,10 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
                     group["lr"] = lr * rate_factor(config, step)
             expected = base_pipe.progress(base_iter)[1][1]
             got = run.step()[1]
-            gap = _gap(expected, got)
+            gap = _everywhere(_gap(expected, got))
             worst = max(worst, gap)
             if gap > config.tolerance:
-                return Divergence(step, "output", gap), worst
+                return Divergence(step, f"output; then {_first_state_gap(base, run)}", gap), worst
             if snapshot is not None and step in reload_from.values():
                 snapshot[0].load_state_dict(base[0].state_dict())
                 snapshot[1].load_state_dict(base[1].state_dict())
@@ -392,7 +458,7 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
                 for model in (base[0], run.model):
                     model.eval()
                 with torch.no_grad():
-                    gap = _gap(base[0](probe)[1][1], run.model(probe)[1][1])
+                    gap = _everywhere(_gap(base[0](probe)[1][1], run.model(probe)[1][1]))
                 for model in (base[0], run.model):
                     model.train()
                 worst = max(worst, gap)
@@ -402,8 +468,16 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
                 base_iter = iter(batches[step + 1 :])
             elif event == "reattach":
                 run.reattach()
-            elif event == "resume":
+            elif event == "resume":  # both: a fresh DDP buckets its gradients anew, and
+                # at 4 ranks gloo's ring sums each bucket's elements in an order of their own
                 run.resume()
+                base_pipe.detach()
+                fresh = build(config, False)
+                fresh[0].load_state_dict(base[0].state_dict())
+                fresh[1].load_state_dict(base[1].state_dict())
+                base = fresh
+                base_pipe = TrainPipelineSparseDist(base[0], base[1], torch.device("cpu"))
+                base_iter = iter(batches[step + 1 :])
             elif event == "reload":
                 assert snapshot is not None
                 for model, optimizer in ((base[0], base[1]), (run.model, run.optimizer)):

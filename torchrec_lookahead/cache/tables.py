@@ -14,7 +14,7 @@ planning costs one oracle call per pool and step whatever the number of tables.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -137,13 +137,19 @@ class CachedTables:
         self._running = None
         self.step_counts.clear()
 
-    def prepare(self, features: KeyedJaggedTensor) -> PreparedStep:
+    def prepare(
+        self, features: KeyedJaggedTensor, bound: Mapping[str, int] | None = None
+    ) -> PreparedStep:
         """Check a batch for every table (ids, capacity) without changing anything.
 
         At a window's first batch the pools are sized for it: a table whose
         share is smaller than the rows ``d + 1`` such batches can touch brings
-        that many instead (at most all its rows). The sizing and the pools'
-        planners travel with the prepared step and take effect at ``enter``.
+        that many instead (at most all its rows). ``bound`` (per table name)
+        says how many ids a batch like this one can bring a table where that
+        is more than this one has: a shard's share of a batch varies (row-wise
+        shards, hot ids split off), its whole batch does not. The sizing and
+        the pools' planners travel with the prepared step and take effect at
+        ``enter``.
         """
         step = self._entered
         if self.cache.device.type != "cpu":  # the CPU pools variable batches padded, any optimizer
@@ -162,7 +168,11 @@ class CachedTables:
         lookups = lookups.astype(np.int64)
         oracles, sizing = self._oracles, None
         if oracles is None:
-            table_slots = self._sized_for(lookups)
+            most = lookups
+            if bound:
+                extra = np.asarray([bound.get(name, 0) for name in self.names], dtype=np.int64)
+                most = np.maximum(lookups, extra)
+            table_slots = self._sized_for(most)
             oracles = [self._planner(slots, p)
                        for p, slots in enumerate(self._pool_slots(table_slots))]  # fmt: skip
             sizing = (table_slots, oracles)

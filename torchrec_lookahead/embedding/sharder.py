@@ -310,6 +310,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._feature_rows = {
             f: t.num_embeddings for t in self.embedding_bag_configs() for f in t.feature_names
         }
+        self._table_features = {t.name: list(t.feature_names) for t in self.embedding_bag_configs()}
         self._hot = self._make_hot_tier(module.hot_rows) if module.hot_rows else None
         self._hot_pg: dist.ProcessGroup | None = None  # the hot rows' update, made at attach
         self._running_hot: HotInput | None = None
@@ -452,6 +453,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         """
         self._agree(refusal or self._check_ids(features) or self._check_strides(features))
         start = time.thread_time()
+        bound = self._ids_bound(features)
         hot = None
         if self._hot is not None:  # the union's exchange starts: a collective, ranks alike
             features, hot = self._hot.prepare(features, self._cold_variable_batch, self._stage_pg)
@@ -466,11 +468,24 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         try:
             for lookup, kjt in zip(self.lookups, distributed):
                 for kernel, part in zip(lookup.kernels, lookup.kernel_features(kjt)):
-                    prepared.append(kernel.cached.prepare(part))
+                    prepared.append(kernel.cached.prepare(part, bound))
         except ValueError as caught:
             error = caught
         self._agree(error)
         return StepInput(prepared, (ctx, distributed), hot)
+
+    def _ids_bound(self, features: KeyedJaggedTensor) -> dict[str, int] | None:
+        """Per table, the ids a shard of it can get from a batch like ``features`` (every
+        rank's ids of its features, as many as this rank's: a bound where batches have one
+        shape), for sizing caches at a window's first batch; ``None`` after that."""
+        if all(group.entered for group in self.cached_groups):
+            return None
+        per_key = dict(zip(features.keys(), features.length_per_key()))
+        bound: dict[str, int] = {}
+        for table, feature_names in self._table_features.items():
+            count = sum(per_key.get(f, 0) for f in feature_names)
+            bound[table] = self.env.world_size * count
+        return bound
 
     def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
         unchecked = np.iinfo(np.int64).max  # features of other modules
