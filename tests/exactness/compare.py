@@ -308,7 +308,8 @@ def _state_gap(expected: dict, got: dict, what: str) -> tuple[float, str]:
 
 
 def _first_state_gap(base, run) -> str:  # noqa: ANN001
-    """The tensors that differ most after a step whose outputs differ (the step's update)."""
+    """The tensors that differ most after a step whose outputs differ: what its update
+    left apart, e.g. ``most apart after it: t0.weight by 0.025``."""
     found = []
     for what, expected, got in (
         ("table or dense parameter", base[0].state_dict(), run.model.state_dict()),
@@ -317,7 +318,7 @@ def _first_state_gap(base, run) -> str:  # noqa: ANN001
         gap, where = _state_gap(expected, got, what)
         if gap:
             found.append(f"{where} by {gap:.3g}")
-    return "; ".join(found) or "no state differs"
+    return "most apart after it: " + ("; ".join(found) or "nothing")
 
 
 def window_floor(config: Config) -> int:
@@ -447,7 +448,7 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
             gap = _everywhere(_gap(expected, got))
             worst = max(worst, gap)
             if gap > config.tolerance:
-                return Divergence(step, f"output; then {_first_state_gap(base, run)}", gap), worst
+                return Divergence(step, f"output ({_first_state_gap(base, run)})", gap), worst
             if snapshot is not None and step in reload_from.values():
                 snapshot[0].load_state_dict(base[0].state_dict())
                 snapshot[1].load_state_dict(base[1].state_dict())

@@ -104,8 +104,9 @@ def _line(config: Config, divergence, worst: float, seconds: float) -> str:  # n
         verdict = "bitwise equal" if worst == 0 else f"within {config.tolerance:g} ({worst:.2g})"
     else:
         step, what, gap = divergence
-        where = "final state" if step < 0 else f"step {step}"
-        verdict = f"DIFFERENT at {where}: {what} by {gap:.3g}"
+        where = "the end" if step < 0 else f"step {step}"
+        first, _, rest = what.partition(" (")
+        verdict = f"DIFFERENT at {where}: {first} by {gap:.3g}" + (f" ({rest}" if rest else "")
     return f"[{config.index:>4}] {verdict:<28} {seconds:5.1f} s  {config.describe()}"
 
 
