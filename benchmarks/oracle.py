@@ -37,8 +37,8 @@ from common import machine, pinned_rows_needed
 from tqdm import tqdm
 
 from torchrec_lookahead.data import SyntheticCriteo, ZipfSampler
+from torchrec_lookahead.oracle.misses import lfu_misses, lru_misses, min_misses, oracle_misses
 from torchrec_lookahead.oracle.partitioned import PartitionedOracle
-from torchrec_lookahead.testing.simulate import lfu_misses, lru_misses, min_misses, oracle_misses
 
 BAGPIPE_IDS_PER_S = 16384 * 26 / 0.075  # Bagpipe's Python oracle, per its paper
 

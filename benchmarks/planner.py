@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from planners import LookaheadCacheStatistics
 from torchrec_lookahead.data import SyntheticCriteo
-from torchrec_lookahead.testing.simulate import oracle_misses
+from torchrec_lookahead.oracle.misses import oracle_misses
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from torchrec.distributed.types import CacheStatistics
 
 from torchrec_lookahead.oracle.cacher import as_id_array
-from torchrec_lookahead.testing.simulate import oracle_misses
+from torchrec_lookahead.oracle.misses import oracle_misses
 
 __all__ = ["LOAD_FACTOR_GRID", "LookaheadCacheStatistics"]
 

@@ -2,7 +2,7 @@ import os
 
 from hypothesis import settings
 
-from torchrec_lookahead.testing.determinism import deterministic_cuda
+from torchrec_lookahead.determinism import deterministic_cuda
 
 settings.register_profile("ci", max_examples=300, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=100, deadline=None)

@@ -39,8 +39,8 @@ from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPi
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
+from torchrec_lookahead.determinism import deterministic_cuda
 from torchrec_lookahead.embedding.sharder import LookaheadEmbeddingBagCollectionSharder
-from torchrec_lookahead.testing.determinism import deterministic_cuda
 
 OPTIMIZERS = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 SIZES = (6000, 3000, 1500)

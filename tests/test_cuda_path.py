@@ -65,7 +65,7 @@ def test_a_vote_on_a_refused_batch_uses_tensors_of_the_collectives_device() -> N
     under NCCL takes CUDA tensors only (``cuda:fake`` stands in for NCCL)."""
     import torch.distributed as dist
 
-    from torchrec_lookahead.embedding.sharder import refusals
+    from torchrec_lookahead.embedding.sharded import refusals
 
     dist.init_process_group("cuda:fake", store=fake_store(), rank=0, world_size=2)
     try:

@@ -204,10 +204,10 @@ def test_bad_input_gets_one_clear_message(tmp_path: Path, flags, code, message, 
     message = message.replace("FILE", str(tmp_path / "file"))
     if code == 2:
         sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
-        import dlrm_main
+        import flags as example_flags
 
         with pytest.raises(SystemExit) as exited:
-            dlrm_main.parse_args([*TINY, "--out", str(tmp_path / "out"), *flags])
+            example_flags.parse_args([*TINY, "--out", str(tmp_path / "out"), *flags])
         returncode, stderr = exited.value.code, capsys.readouterr().err
     else:
         done, _ = run(tmp_path, *TINY, *flags)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dlrm_example import TINY, run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.test_dlrm_example import TINY, run
 
 STEPS = ["--limit_train_batches", "24", "--checkpoint_every", "10"]
 CHECKPOINTS = ["latest", "step_00000010", "step_00000020", "step_00000024"]

@@ -290,8 +290,9 @@ def test_the_replicas_apply_what_fbgemm_applies_to_the_owners_bags(optimizer, fe
     rows, dim, batch = 20, 8, 150
     params = {"learning_rate": 0.1, "eps": 1e-8}
     keys = [f"f{k}" for k in range(features)]
+    owner = {"t": {"optimizer": kind, **params}}
     layout = HotLayout({"t": np.arange(rows)}, keys, ["t"] * features, {"t": keys}, {"t": rows},
-                       {"t": {"optimizer": kind, **params}}, {"t": [RowRange(0, 0, rows)]}, dim)  # fmt: skip
+                       owner, {"t": [RowRange(0, 0, rows)]}, dim)  # fmt: skip
     rng = np.random.default_rng(features)
     for trial in range(20):
         owner = training_tbe([rows], dim, kind, params, torch.device("cpu"),

@@ -24,7 +24,7 @@ THEIRS = ("torch", "torchrec", "fbgemm_gpu")
 LAYERS = [
     {"settings", "metrics"},
     {"types", "_compat"},
-    {"checks", "variable_batch", "streams", "traffic", "tbe", "data"},
+    {"checks", "variable_batch", "streams", "traffic", "tbe", "determinism", "data"},
     {"oracle"},
     {"store"},
     {"cache", "pipeline"},
@@ -119,3 +119,31 @@ def test_imports_point_down_the_layers_and_never_round_a_cycle() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
+
+
+def test_planners_and_examples_sit_on_the_library_and_the_library_on_neither() -> None:
+    """The library imports neither ``planners`` nor the example; ``planners`` and the
+    example use the library but not its test baselines (``torchrec_lookahead.testing``)."""
+    wrong = []
+    for path in SOURCES:
+        folder = path.relative_to(ROOT).parts[0]
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if folder == "torchrec_lookahead" and top in ("planners", "examples", "tests",
+                                                              "benchmarks"):  # fmt: skip
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+                if folder in ("planners", "examples") and name.startswith(
+                    "torchrec_lookahead.testing"
+                ):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+                if folder == "planners" and top in ("examples", "tests", "benchmarks"):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert wrong == [], "imports against the layers:\n" + "\n".join(wrong)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_oracle import tie_breaks, traces
 
 from tests.contract import replay
+from tests.test_oracle import tie_breaks, traces
 from torchrec_lookahead import CachePlan, OracleCacher
 from torchrec_lookahead.oracle.kernels import global_ids, split_of
 from torchrec_lookahead.oracle.partitioned import PartitionedOracle

@@ -8,11 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchrec_lookahead.oracle.cacher import TIE_BREAKS
+from torchrec_lookahead.oracle.misses import lfu_misses, lru_misses, min_misses, oracle_misses
 from torchrec_lookahead.testing.simulate import (
-    lfu_misses,
-    lru_misses,
-    min_misses,
-    oracle_misses,
     reference_lfu,
     reference_lru,
     reference_min,

@@ -116,9 +116,13 @@ class Checkpointer:
     saved again.
     """
 
-    def __init__(self, root: str, asynchronous: bool = False,
-                 written: Callable[[int], None] | None = None,
-                 files: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: str,
+        asynchronous: bool = False,
+        written: Callable[[int], None] | None = None,
+        files: dict[str, str] | None = None,
+    ) -> None:
         self.root = root
         self.files = dict(files or {})
         self.step: int | None = None  # the newest step saved or loaded here
@@ -179,8 +183,13 @@ class Checkpointer:
         dist.barrier(group=group)
         writer = _Writer(partial, step, self._written) if self._written else None
         try:
-            dcp.save(state, checkpoint_id=partial, storage_writer=writer, process_group=group,
-                     planner=StreamingSavePlanner())  # fmt: skip
+            dcp.save(
+                state,
+                checkpoint_id=partial,
+                storage_writer=writer,
+                process_group=group,
+                planner=StreamingSavePlanner(),
+            )
         except (Exception, dcp.CheckpointException) as error:  # DCP wraps every rank's error
             free_gb = shutil.disk_usage(self.root).free / 1e9
             raise RuntimeError(

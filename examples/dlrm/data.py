@@ -35,6 +35,7 @@ from iopath.common.file_io import PathManager
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 
 from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.data.criteo import CriteoDayReader, DayFiles, SampleOrder, stage_samples
 from torchrec_lookahead.data.npy import DataError
 from torchrec_lookahead.data.tsv import DONE, convert_tsv_days
 
@@ -117,3 +118,33 @@ def real_days(path: str) -> Path:
     if not (out / DONE).exists():
         convert_tsv_days(tsvs, out)
     return out
+
+
+def reader(args, days: list[DayFiles], stage: str, rank: int, world_size: int) -> CriteoDayReader:
+    """This rank's reader of ``stage`` (train, val or test).
+
+    A global step holds ``--batch_size`` (evaluation: ``--test_batch_size``)
+    samples per rank, and rank ``r`` reads its ``r``-th share of it: so global
+    step s holds the same samples at any world size, and a run can continue at
+    another world size (see docs/guides/failures.md). Training runs --epochs
+    passes, in --shuffle's seeded order if asked, deduplicated with --dedup.
+    """
+    first, samples = stage_samples(days, stage)
+    train = stage == "train"
+    batch_size = args.batch_size if train else args.test_batch_size or args.batch_size
+    order = SampleOrder(
+        first,
+        samples,
+        batch_size * world_size,
+        args.epochs if train else 1,
+        args.seed if train and args.shuffle else None,
+        args.shuffle_chunk,
+    )
+    return CriteoDayReader(
+        days,
+        order,
+        rank,
+        world_size,
+        args.num_embeddings,
+        USER_FEATURES if train and args.dedup else None,
+    )

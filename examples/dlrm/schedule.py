@@ -21,9 +21,13 @@ class RateSchedule:
     """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, rate: float, warmup: int, decay_start: int,
+        self,
+        optimizer: torch.optim.Optimizer,
+        rate: float,
+        warmup: int,
+        decay_start: int,
         decay_steps: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._groups = optimizer.param_groups
         self._base = rate  # not the groups' rates: a resumed optimizer holds scheduled ones
         self.warmup, self.decay_start, self.decay_steps = warmup, decay_start, decay_steps

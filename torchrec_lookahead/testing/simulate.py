@@ -14,12 +14,10 @@ a fast and a reference version of a policy make the same choices:
 * MIN: the windowed oracle seeing the whole stream with no prefetch distance,
   i.e. Belady's MIN for batched access.
 
-The fast versions are all the oracle: with an empty window (``L=0, d=0``) no
-candidate has a visible next use, so only the tie-break orders them, and the
-oracle is batched LRU (``"recency"``) or LFU (``"frequency"``).
-
-The ``reference_*`` functions are short loops over Python sets, written to be
-checked by eye; tests hold the fast versions (and the oracle) to them. Note
+The fast versions are :mod:`torchrec_lookahead.oracle.misses` (the oracle
+itself, with an empty or a whole-stream window); the ``reference_*`` functions
+here are short loops over Python sets, written to be checked by eye; tests
+hold the fast versions (and the oracle) to them. Note
 that these caches are fully associative; FBGEMM's UVM cache is 32-way set
 associative, so its LRU / LFU miss more than these figures.
 """
@@ -33,14 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_lookahead.oracle.cacher import TIE_BREAKS, OracleCacher
+from torchrec_lookahead.oracle.cacher import TIE_BREAKS
 
 __all__ = [
     "StepOutcome",
-    "lfu_misses",
-    "lru_misses",
-    "min_misses",
-    "oracle_misses",
     "reference_lfu",
     "reference_lru",
     "reference_min",
@@ -147,39 +141,3 @@ def reference_lru(batches: Sequence[Any], capacity: int) -> list[int]:
 def reference_lfu(batches: Sequence[Any], capacity: int) -> list[int]:
     """Batched LFU with global counts: misses per step."""
     return _reference_demand(batches, capacity, lambda r, last, counts: (counts[r], last[r], r))
-
-
-# -------------------------------------------------------------- fast versions
-
-
-def oracle_misses(
-    batches: Sequence[Any],
-    capacity: int,
-    lookahead: int,
-    prefetch_distance: int = 1,
-    num_rows: int | None = None,
-    tie_break: str = "frequency",
-) -> np.ndarray:
-    """Misses per step of :class:`OracleCacher` on ``batches``."""
-    oracle = OracleCacher(capacity, lookahead, prefetch_distance, num_rows, tie_break=tie_break)
-    return np.array([p.num_misses for p in oracle.plan(batches)], dtype=np.int64)
-
-
-def min_misses(
-    batches: Sequence[Any],
-    capacity: int,
-    num_rows: int | None = None,
-    tie_break: str = "frequency",
-) -> np.ndarray:
-    """Belady's MIN: the oracle seeing the whole stream, no prefetch distance."""
-    return oracle_misses(batches, capacity, len(batches), 0, num_rows, tie_break)
-
-
-def lru_misses(batches: Sequence[Any], capacity: int, num_rows: int | None = None) -> np.ndarray:
-    """Batched LRU: the oracle with an empty window and the recency tie-break."""
-    return oracle_misses(batches, capacity, 0, 0, num_rows, "recency")
-
-
-def lfu_misses(batches: Sequence[Any], capacity: int, num_rows: int | None = None) -> np.ndarray:
-    """Batched LFU (global counts): the oracle with an empty window, frequency tie-break."""
-    return oracle_misses(batches, capacity, 0, 0, num_rows, "frequency")

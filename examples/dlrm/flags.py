@@ -1,0 +1,376 @@
+"""The example's command line: TorchRec's DLRM example's flags, the cache's, checked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+from checkpoint import latest
+from faults import first_attempt
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
+
+from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo
+
+__all__ = ["MODEL_FILE", "model_config", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="DLRM with lookahead embedding caching (TorchRec)")
+    # As in TorchRec's DLRM example.
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch_size", type=int, default=1024, help="per rank")
+    p.add_argument("--test_batch_size", type=int, default=None)
+    p.add_argument("--limit_train_batches", type=int, default=None)
+    p.add_argument("--limit_val_batches", type=int, default=None)
+    p.add_argument("--limit_test_batches", type=int, default=None)
+    p.add_argument("--embedding_dim", type=int, default=16)
+    p.add_argument("--dense_arch_layer_sizes", type=str, default="64,16")
+    p.add_argument("--over_arch_layer_sizes", type=str, default="64,32,1")
+    p.add_argument("--interaction_type", choices=["original", "dcn"], default="original")
+    p.add_argument("--dcn_num_layers", type=int, default=3)
+    p.add_argument("--dcn_low_rank_dim", type=int, default=16)
+    p.add_argument("--learning_rate", type=float, default=0.1)
+    p.add_argument(
+        "--lr_warmup_steps",
+        type=int,
+        default=0,
+        help="raise the rates linearly from 0 over this many steps",
+    )
+    p.add_argument(
+        "--lr_decay_start",
+        type=int,
+        default=0,
+        help="the step at which the rates start to decay (after the warm-up)",
+    )
+    p.add_argument(
+        "--lr_decay_steps",
+        type=int,
+        default=0,
+        help="decay the rates quadratically to 0 over this many steps, then hold",
+    )
+    p.add_argument("--adagrad", action="store_true", help="row-wise Adagrad / Adagrad, not SGD")
+    p.add_argument(
+        "--num_embeddings_per_feature",
+        type=str,
+        default=None,
+        help="26 comma-separated table sizes (real data: ids are taken modulo these)",
+    )
+    p.add_argument(
+        "--dataset_path",
+        type=str,
+        default=None,
+        help="day_<i>_{dense,sparse,labels}.npy or raw Criteo TSV days",
+    )
+    p.add_argument(
+        "--shuffle",
+        action="store_true",
+        help="train in a seeded order: chunks of --shuffle_chunk samples in a random "
+        "order, samples within each chunk too (same on every rank and restart)",
+    )
+    p.add_argument("--shuffle_chunk", type=int, default=2**20, help="samples; the shuffle's memory")
+    p.add_argument(
+        "--num_workers",
+        type=int,
+        default=0,
+        help="DataLoader worker processes reading, building and deduplicating batches "
+        "(0: the lookahead stage's thread does it)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--print_sharding_plan", action="store_true")
+    # Synthetic data (when no --dataset_path).
+    p.add_argument("--scale", type=float, default=0.01, help="Criteo Kaggle table sizes times this")
+    p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--synthetic_days", type=int, default=3)
+    p.add_argument("--synthetic_samples_per_day", type=int, default=131072)
+    p.add_argument("--data_cache", type=str, default=".cache/dlrm-data")
+    p.add_argument(
+        "--session_size",
+        type=int,
+        default=1,
+        help="consecutive samples of one user, sharing its features",
+    )
+    p.add_argument(
+        "--dedup",
+        action="store_true",
+        help="send the user-side features once per session (TorchRec's deduplicated batches, RecD)",
+    )
+    # Lookahead caching.
+    p.add_argument("--lookahead", type=int, default=16)
+    p.add_argument("--prefetch_distance", type=int, default=1)
+    p.add_argument("--cache_load_factor", type=float, default=0.1)
+    p.add_argument(
+        "--store_dir",
+        type=str,
+        default=None,
+        help="keep the full tables in files in this existing directory "
+        "(for tables larger than RAM); one subdirectory per rank",
+    )
+    hot = p.add_mutually_exclusive_group()
+    hot.add_argument(
+        "--hot_rows",
+        dest="hot_rows",
+        action="store_true",
+        default=True,
+        help="replicate on every rank the rows whose replicas save bytes per "
+        "step, as planners/hot.py finds them on --plan_sample_batches "
+        "batches (the default; several ranks, without --dedup)",
+    )
+    hot.add_argument(
+        "--no_hot_rows",
+        dest="hot_rows",
+        action="store_false",
+        help="replicate no rows across ranks",
+    )
+    p.add_argument(
+        "--hot_budget_mb",
+        type=float,
+        default=None,
+        help="memory for the replicated hot rows on each rank (default: every row "
+        "that saves bytes)",
+    )
+    p.add_argument("--baseline", action="store_true", help="also train plain TorchRec and compare")
+    p.add_argument(
+        "--torchrec_plan",
+        action="store_true",
+        help="plan the --baseline model with TorchRec's planner as it likes (data-"
+        "parallel small tables, ...), not table-wise like the lookahead model; "
+        "it then starts from its own weights (benchmarks/comm.py)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic CUDA algorithms, so runs compare bitwise (implied by "
+        "--baseline; the CPU is deterministic already)",
+    )
+    p.add_argument(
+        "--plan_cache_sizes",
+        action="store_true",
+        help="size each table's cache with the lookahead planner from sample batches",
+    )
+    p.add_argument("--plan_sample_batches", type=int, default=50)
+    p.add_argument("--cache_budget_mb", type=float, default=None, help="device memory for caches")
+    p.add_argument(
+        "--step_compute_ms",
+        type=float,
+        default=10.0,
+        help="compute time per step that prefetches hide behind (planning)",
+    )
+    # Checkpoints and output.
+    p.add_argument("--save_dir", type=str, default=None)
+    p.add_argument("--checkpoint_every", type=int, default=None, help="steps; also at the end")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --save_dir's latest complete checkpoint (from step 0 if it has "
+        "none). Implied when torchrun restarts the job (--max-restarts), so a restart "
+        "resumes by itself; without it, --save_dir must hold no checkpoint",
+    )
+    p.add_argument(
+        "--async_checkpoint",
+        action="store_true",
+        help="stall training only to copy the state; write the files in the background",
+    )
+    # Failure injection (tests and benchmarks/failures.py), on torchrun's first attempt only.
+    p.add_argument(
+        "--fail_at_step",
+        type=int,
+        default=None,
+        help="kill --fail_rank (SIGKILL) after this training step, or while it "
+        "writes this step's checkpoint (--fail_in checkpoint)",
+    )
+    p.add_argument("--fail_rank", type=int, default=0)
+    p.add_argument("--fail_in", choices=["step", "checkpoint"], default="step")
+    p.add_argument("--out", type=str, default="results/dlrm", help="summary JSON and PNG")
+    args = p.parse_args(argv)
+
+    def positive(name: str, allow_none: bool = True) -> None:
+        value = getattr(args, name)
+        if (value is None and not allow_none) or (value is not None and value < 1):
+            p.error(f"--{name} must be a positive integer, got {value}")
+
+    def positive_number(name: str, allow_zero: bool = False) -> None:
+        value = getattr(args, name)
+        if value is not None and not (
+            math.isfinite(value) and (value > 0 or allow_zero and value == 0)
+        ):
+            p.error(
+                f"--{name} must be a {'non-negative' if allow_zero else 'positive'} "
+                f"number, got {value}"
+            )
+
+    for name in (
+        "epochs",
+        "batch_size",
+        "embedding_dim",
+        "synthetic_days",
+        "synthetic_samples_per_day",
+        "test_batch_size",
+        "limit_train_batches",
+        "limit_val_batches",
+        "limit_test_batches",
+        "checkpoint_every",
+        "session_size",
+        "dcn_num_layers",
+        "dcn_low_rank_dim",
+        "plan_sample_batches",
+        "shuffle_chunk",
+    ):
+        positive(name)
+    if args.num_workers < 0:
+        p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
+    for name in ("scale", "zipf", "learning_rate", "cache_budget_mb"):
+        positive_number(name)
+    positive_number("step_compute_ms", allow_zero=True)
+    if args.embedding_dim % 4:
+        p.error(
+            f"--embedding_dim must be a multiple of 4 (FBGEMM's kernels need row widths "
+            f"in multiples of 4), got {args.embedding_dim}"
+        )
+    for name, must_exist in (
+        ("dataset_path", True),
+        ("store_dir", True),
+        ("save_dir", False),
+        ("data_cache", False),
+        ("out", False),
+    ):
+        if problem := folder_problem(getattr(args, name), must_exist):
+            p.error(f"--{name} {getattr(args, name)}: {problem}")
+    for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
+    if args.lr_decay_steps and args.lr_decay_start < args.lr_warmup_steps:
+        p.error(
+            "the learning-rate warm-up must end before the decay starts "
+            f"(--lr_decay_start {args.lr_decay_start} < --lr_warmup_steps "
+            f"{args.lr_warmup_steps})"
+        )
+    if args.lookahead < 1:
+        p.error(
+            f"--lookahead must be at least 1 (the oracle needs to see ahead), got {args.lookahead}"
+        )
+    if args.prefetch_distance < 0:
+        p.error(f"--prefetch_distance must be >= 0, got {args.prefetch_distance}")
+    if not 0 < args.cache_load_factor <= 1:
+        p.error(f"--cache_load_factor must be in (0, 1], got {args.cache_load_factor}")
+    if args.session_size > 1 and args.dataset_path:
+        p.error(
+            "--session_size shapes the synthetic data; real data has its own sessions "
+            "(--dedup finds them)"
+        )
+    if args.synthetic_days < 2:
+        p.error("--synthetic_days must be at least 2 (train, then validation/test)")
+    if (args.resume or args.checkpoint_every) and not args.save_dir:
+        p.error("--resume and --checkpoint_every need --save_dir")
+    if args.resume and args.baseline:
+        p.error("--resume continues the lookahead run only; run --baseline from the start")
+    if args.async_checkpoint and not args.save_dir:
+        p.error("--async_checkpoint needs --save_dir")
+    if args.async_checkpoint and args.store_dir:
+        p.error(
+            "--async_checkpoint copies every table into RAM; with --store_dir checkpoints "
+            "are written in the foreground, streamed from the store files"
+        )
+    try:
+        found = latest(args.save_dir) if args.save_dir else None
+    except ValueError as error:
+        p.error(f"--save_dir: {error}")
+    if args.save_dir and not args.resume and first_attempt() and found:
+        p.error(
+            f"--save_dir {args.save_dir} already holds a checkpoint "
+            f"({os.path.basename(found)}); pass --resume to continue from it, or choose "
+            "an empty folder"
+        )
+    args.resume = args.resume or (args.save_dir is not None and not first_attempt())
+    if args.fail_at_step is not None:
+        positive("fail_at_step")
+        if args.fail_rank < 0:
+            p.error(f"--fail_rank must be >= 0, got {args.fail_rank}")
+        if args.fail_in == "checkpoint" and (
+            not args.checkpoint_every or args.fail_at_step % args.checkpoint_every
+        ):
+            p.error(
+                "--fail_in checkpoint needs --fail_at_step to be a multiple of --checkpoint_every"
+            )
+    try:
+        args.dense_arch = [int(x) for x in args.dense_arch_layer_sizes.split(",")]
+        args.over_arch = [int(x) for x in args.over_arch_layer_sizes.split(",")]
+    except ValueError:
+        p.error("layer sizes are comma-separated integers, e.g. --dense_arch_layer_sizes 64,16")
+    if args.dense_arch[-1] != args.embedding_dim:
+        p.error(
+            f"the dense arch must end in --embedding_dim ({args.embedding_dim}), "
+            f"got {args.dense_arch_layer_sizes}"
+        )
+    if args.over_arch[-1] != 1:
+        p.error(f"the over arch must end in 1, got {args.over_arch_layer_sizes}")
+    if args.num_embeddings_per_feature is not None:
+        sizes = args.num_embeddings_per_feature.split(",")
+        if len(sizes) != len(DEFAULT_CAT_NAMES) or not all(
+            s.isdigit() and int(s) > 0 for s in sizes
+        ):
+            p.error("--num_embeddings_per_feature needs 26 positive comma-separated integers")
+        args.num_embeddings = [int(s) for s in sizes]
+    elif args.dataset_path:
+        args.num_embeddings = list(CRITEO_KAGGLE_TABLE_SIZES)
+    else:
+        args.num_embeddings = list(SyntheticCriteo(scale=args.scale).num_embeddings)
+    if args.resume and found and (changed := model_changes(args, found)):
+        p.error(
+            f"--resume: {found} holds a model with other {changed}; resume with the "
+            "flags that wrote it, or choose another --save_dir"
+        )
+    return args
+
+
+def folder_problem(path: str | None, must_exist: bool) -> str | None:
+    """What is wrong with ``path`` as a folder to read (``must_exist``) or to create, if
+    anything: a file where a folder is expected, here or above."""
+    if path is None:
+        return None
+    folder = Path(path)
+    if folder.exists():
+        return None if folder.is_dir() else "is a file, not a folder"
+    if must_exist:
+        return "no such folder"
+    above = next((p for p in folder.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"cannot be created: {above} is a file"
+    return None
+
+
+MODEL_FILE = "model.json"  # in every checkpoint folder: the flags that shaped its model
+
+
+# The flags that shape the model a checkpoint holds (a resumed run must match them).
+MODEL_FLAGS = (
+    "embedding_dim",
+    "num_embeddings",
+    "dense_arch",
+    "over_arch",
+    "interaction_type",
+    "dcn_num_layers",
+    "dcn_low_rank_dim",
+    "adagrad",
+)
+
+
+def model_config(args: argparse.Namespace) -> dict[str, object]:
+    config = {name: getattr(args, name) for name in MODEL_FLAGS}
+    if args.interaction_type != "dcn":  # the DCN flags do not shape a DLRM
+        config.pop("dcn_num_layers"), config.pop("dcn_low_rank_dim")
+    return config
+
+
+def model_changes(args: argparse.Namespace, checkpoint: str) -> str | None:
+    """The model flags (as ``--flag``s) that differ from those ``checkpoint`` was saved
+    with (its ``model.json``); None if none differ or it does not say."""
+    recorded = Path(checkpoint) / MODEL_FILE
+    if not recorded.is_file():
+        return None
+    saved = json.loads(recorded.read_text())
+    wanted = json.loads(json.dumps(model_config(args)))  # lists as JSON gives them back
+    changed = [f"--{k}" for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+    return ", ".join(changed) or None
