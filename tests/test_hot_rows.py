@@ -157,8 +157,9 @@ def test_a_batch_splits_into_its_cold_bags_and_hot_ids_by_either_search() -> Non
         rows, offsets = step.lookups[0]
         assert rows.tolist() == [1, 2, 0, 4, 4, 3]
         assert offsets.tolist() == [0, 1, 2, 2, 3, 4, 5, 5, 6, 6, 6, 6, 6]
-        union, positions = union_of(step, None, layout.num_rows)
-        assert union.tolist() == [0, 1, 2, 3, 4] and positions.tolist() == [1, 2, 0, 4, 4, 3]
+        union = union_of(step, None, layout.num_rows)
+        assert union.rows.tolist() == [0, 1, 2, 3, 4]
+        assert union.positions.tolist() == [1, 2, 0, 4, 4, 3]
         # Cold: bags with cold ids, then one empty bag for the samples without any.
         assert cold.values().tolist() == [3, 9, 4, 5, 6, 7]
         assert cold.stride_per_key() == [2, 3, 4]
@@ -195,9 +196,9 @@ def test_the_union_reads_a_bit_or_a_byte_per_row() -> None:
     for packed, bits in ((True, np.packbits(touched)), (False, touched.view(np.uint8))):
         step = HotSplit(batch=1, lookups=[], rows=rows, bags=torch.zeros(3, dtype=torch.int64),
                         round_ends=(3,), touched=torch.from_numpy(bits), packed=packed,
-                        ids=3)  # fmt: skip
-        union, positions = union_of(step, None, 11)
-        assert union.tolist() == [2, 3, 9] and positions.tolist() == [2, 0, 2]
+                        ids=3, host_rows=rows.numpy())  # fmt: skip
+        union = union_of(step, None, 11)
+        assert union.rows.tolist() == [2, 3, 9] and union.positions.tolist() == [2, 0, 2]
 
 
 def _spawn_hot(cases) -> None:  # noqa: ANN001
@@ -282,7 +283,7 @@ def test_the_replicas_apply_what_fbgemm_applies_to_the_owners_bags(optimizer, fe
 
     from torchrec_lookahead.embedding.hot import HotLayout, RowRange
     from torchrec_lookahead.embedding.hot.replicas import ReplicaTables
-    from torchrec_lookahead.embedding.hot.sync import ordered_sum
+    from torchrec_lookahead.embedding.hot.sync import Union, ordered_sum
     from torchrec_lookahead.tbe import training_tbe
 
     kind = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
@@ -314,7 +315,7 @@ def test_the_replicas_apply_what_fbgemm_applies_to_the_owners_bags(optimizer, fe
                   for k in range(features)]  # fmt: skip
         sums, rates = ordered_sum(rounds, len(union), dim, np.array([0.1]), None,
                                   torch.device("cpu"))  # fmt: skip
-        replicas.apply(torch.from_numpy(union), sums, rates)
+        replicas.apply(Union(union, torch.from_numpy(union), positions), sums, rates)
         mine, theirs = replicas.tensors(0), [owner.split_embedding_weights()[0]]
         theirs += list(owner.split_optimizer_states()[0]) if optimizer != "sgd" else []
         for a, b in zip(mine, theirs, strict=True):

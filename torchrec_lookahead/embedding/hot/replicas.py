@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from torchrec_lookahead.embedding.hot.layout import HotLayout, ReplicaGroup
 from torchrec_lookahead.embedding.hot.split import HotSplit
+from torchrec_lookahead.embedding.hot.sync import Union
 from torchrec_lookahead.tbe import training_tbe
 
 __all__ = ["ReplicaTables", "ShardReader"]
@@ -68,18 +69,22 @@ class ReplicaTables:
 
     # ---------------------------------------------------------------- update
 
-    def apply(self, union: torch.Tensor, sums: torch.Tensor, rates: np.ndarray) -> None:
-        """Update replica rows ``union`` (ascending) with their summed gradients ``sums``,
-        each table at its owner's learning rate ``rates[table]``."""
+    def apply(self, union: Union, sums: torch.Tensor, rates: np.ndarray) -> None:
+        """Update the union's replica rows with their summed gradients ``sums``, each table
+        at its owner's learning rate ``rates[table]``."""
         bounds = [g.start for g in self.layout.groups] + [self.layout.num_rows]
-        cut = np.searchsorted(union.cpu().numpy(), bounds).tolist()
-        table_rates = rates[self.layout.table_of_row[union.cpu().numpy()]]
+        cut = np.searchsorted(union.host, bounds).tolist()
+        table_rates = rates[self.layout.table_of_row[union.host]]
         for g, group in enumerate(self.layout.groups):
             part = slice(cut[g], cut[g + 1])
             if part.start == part.stop:
                 continue
-            rows, grads, rows_rates = union[part] - group.start, sums[part], table_rates[part]
-            for rate in np.unique(rows_rates):  # one, unless the owners' rates differ
+            rows, grads = union.rows[part] - group.start, sums[part]
+            rows_rates = table_rates[part]
+            if (rows_rates == rows_rates[0]).all():  # one rate, unless the owners' differ
+                self._update(g, group, rows, grads, float(rows_rates[0]))
+                continue
+            for rate in np.unique(rows_rates):
                 chosen = torch.from_numpy(np.flatnonzero(rows_rates == rate)).to(self.device)
                 self._update(g, group, rows[chosen], grads[chosen], float(rate))
 

@@ -44,6 +44,7 @@ class HotSplit:
     touched: torch.Tensor  # per replica row: touched by this rank's batch (see sync.py)
     packed: bool  # ``touched`` holds 8 rows a byte (else a byte a row)
     ids: int  # ids of the collection's features in the batch (hot or not)
+    host_rows: np.ndarray  # ``rows`` on the host, for the union's positions (sync.py)
 
 
 def split_batch(
@@ -81,6 +82,8 @@ def split_batch(
     cold = ~hot
     cold_lengths = np.bincount(bag_of[cold], minlength=lengths.size).reshape(lengths.shape)
     cold_features = _cold_batch(names, values[cold], cold_lengths, variable_batch, shift >= 0)
+    # The owners' input dist runs on the batch's device (NCCL takes CUDA tensors only).
+    cold_features = cold_features.to(features.values().device, non_blocking=True)
     # The hot ids feature-major in the collection's key order, each bag's in batch order.
     order = [names.index(key) for key in layout.keys]
     ends = np.cumsum(per_key)
@@ -122,6 +125,7 @@ def split_batch(
         touched=_tensor(bits, device),
         packed=packed,
         ids=ids,
+        host_rows=rows[update],
     )
 
 
@@ -135,7 +139,12 @@ def direct_map(layout: HotLayout) -> np.ndarray | None:
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+    """``array`` on ``device``; to a GPU through pinned memory, so the copy does not make
+    the stage's thread wait."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _cold_batch(

@@ -31,6 +31,7 @@ when the batch is split, ``L`` steps ahead: a bit per hot row, OR-reduced
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from torchrec_lookahead.embedding.hot.split import HotSplit
 from torchrec_lookahead.traffic import count_sent, label
 
-__all__ = ["ordered_sum", "start_union", "union_of"]
+__all__ = ["Union", "ordered_sum", "start_union", "union_of"]
 
 
 def start_union(split: HotSplit, group: dist.ProcessGroup | None) -> Any:
@@ -53,19 +54,32 @@ def start_union(split: HotSplit, group: dist.ProcessGroup | None) -> Any:
         return dist.all_reduce(split.touched, op=op, group=group, async_op=True)
 
 
-def union_of(split: HotSplit, exchange: Any, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The replica rows any rank's batch touches (ascending), and the position among
-    them of each of ``split.rows``; waits for ``exchange`` (:func:`start_union`)."""
+@dataclass(frozen=True)
+class Union:
+    """The replica rows any rank's batch of a step touches (ascending: ``host`` on the
+    host, ``rows`` on the device) and the position among them of each of its hot ids."""
+
+    host: np.ndarray
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+
+def union_of(split: HotSplit, exchange: Any, num_rows: int) -> Union:
+    """The step's :class:`Union`; waits for ``exchange`` (:func:`start_union`). Made on
+    the stage's thread a batch later, so that the step's backward finds it ready."""
     if exchange is not None:
         exchange.wait()
     bits = split.touched.cpu().numpy()
     touched = (np.unpackbits(bits, count=num_rows) if split.packed else bits).astype(bool)
-    positions = (np.cumsum(touched) - 1)[split.rows.cpu().numpy()]
+    rows = np.flatnonzero(touched)
+    positions = (np.cumsum(touched) - 1)[split.host_rows]
     device = split.rows.device
-    return (
-        torch.from_numpy(np.flatnonzero(touched)).to(device),
-        torch.from_numpy(positions).to(device),
-    )
+    return Union(rows, _to_device(rows, device), _to_device(positions, device))
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
 
 
 def ordered_sum(

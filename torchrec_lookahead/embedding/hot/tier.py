@@ -20,6 +20,7 @@ The calls it receives, in order (every rank alike):
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,7 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead.embedding.hot.layout import HotLayout
 from torchrec_lookahead.embedding.hot.replicas import ReplicaTables, ShardReader
 from torchrec_lookahead.embedding.hot.split import HotSplit, direct_map, split_batch
-from torchrec_lookahead.embedding.hot.sync import ordered_sum, start_union, union_of
+from torchrec_lookahead.embedding.hot.sync import Union, ordered_sum, start_union, union_of
 
 __all__ = ["HotInput", "HotRowTier", "Owners", "ReplicaMetrics"]
 
@@ -48,13 +49,32 @@ class Owners(Protocol):
         """The current learning rate of each table with a local shard."""
 
 
-@dataclass(frozen=True)
 class HotInput:
-    """What the stage made of a batch for the replicas: its hot part and the union's
-    exchange, in flight until the step's backward."""
+    """What the stage made of a batch for the replicas: its hot part, and the union of
+    the rows every rank's batch touches, exchanged in the background. The stage
+    resolves the union (:meth:`union`) when it prepares the next batch, so the step's
+    backward finds it on the device, with no wait for the host."""
 
-    split: HotSplit
-    exchange: Any
+    def __init__(self, split: HotSplit, exchange: Any, num_rows: int) -> None:
+        self.split = split
+        self._exchange = exchange
+        self._num_rows = num_rows
+        self._union: Union | None = None
+        self._lock = threading.Lock()
+
+    def union(self) -> Union:
+        with self._lock:
+            if self._union is None:
+                self._union = union_of(self.split, self._exchange, self._num_rows)
+                self._exchange = None
+            return self._union
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Mark its device tensors as used on ``stream`` (made on the stage's stream)."""
+        split, union = self.split, self.union()
+        pairs = [t for pair in split.lookups for t in pair]
+        for tensor in (split.rows, split.bags, split.touched, *pairs, union.rows, union.positions):
+            tensor.record_stream(stream)
 
 
 @dataclass
@@ -131,7 +151,7 @@ class HotRowTier:
         cold, split = split_batch(self.layout, features, variable_batch, self.device, self._row_of)
         self.metrics.lookups += split.ids
         self.metrics.hot_lookups += len(split.rows)
-        return cold, HotInput(split, start_union(split, group))
+        return cold, HotInput(split, start_union(split, group), self.layout.num_rows)
 
     # ------------------------------------------------------------- trainer
 
@@ -146,8 +166,8 @@ class HotRowTier:
         """Sum the step's hot-row gradients over the ranks in the owners' order and apply
         them to every replica, each table at its owner's learning rate."""
         split, layout = hot.split, self.layout
-        union, positions = union_of(split, hot.exchange, layout.num_rows)
-        if not len(union):  # no rank's batch touched a hot row: nothing to send
+        union = hot.union()
+        if not len(union.host):  # no rank's batch touched a hot row: nothing to send
             return
         keys, dim = len(layout.keys), layout.dim
         per_bag = grad.view(split.batch, keys, dim).transpose(0, 1).reshape(-1, dim)
@@ -156,17 +176,18 @@ class HotRowTier:
         if world > 1 and get_gradient_division():  # as TorchRec's owners divide theirs
             per_id = per_id / world
         starts = (0, *split.round_ends[:-1])
+        positions = union.positions
         rounds = [(positions[a:b], per_id[a:b]) for a, b in zip(starts, split.round_ends)]
         local = self._owners.learning_rates()
         rates = np.array([local.get(name, np.nan) for name in layout.tables])
-        sums, rates = ordered_sum(rounds, len(union), dim, rates, self._group, self.device)
-        touched_tables = np.unique(layout.table_of_row[union.cpu().numpy()])
+        sums, rates = ordered_sum(rounds, len(union.host), dim, rates, self._group, self.device)
+        touched_tables = np.unique(layout.table_of_row[union.host])
         if np.isnan(rates[touched_tables]).any():
             raise RuntimeError(
                 "no rank owns some hot tables' rows: the sharding plan and the hot rows disagree"
             )
         self.replicas.apply(union, sums, rates)
-        self.metrics.rows_synced += len(union)
+        self.metrics.rows_synced += len(union.host)
 
     # ------------------------------------------------------------ the owners
 
