@@ -4,8 +4,8 @@ Runs the DLRM example (``examples/dlrm/dlrm_main.py``) under ``torchrun`` on
 synthetic Criteo-shaped data, two kinds of job alternating (this machine
 drifts), each training two models on the same batches:
 
-* ``hot``: the lookahead model with replicated hot rows (the example's
-  default at several ranks) and plain TorchRec with the same table-wise plan;
+* ``hot``: the lookahead model with replicated hot rows (``--hot_rows``: every
+  row that saves bytes) and plain TorchRec with the same table-wise plan;
 * ``plain``: the lookahead model without hot rows (``--no_hot_rows``) and
   plain TorchRec with the plan TorchRec's planner picks for the topology
   (``--torchrec_plan``: it may make small tables data-parallel).
@@ -37,7 +37,7 @@ from torchrec_lookahead.traffic import EMBEDDING_KINDS
 
 SETTINGS = ("torchrec_plan", "torchrec_table_wise", "lookahead", "lookahead_hot")
 JOBS = {  # job -> flags, and the settings its two runs measure (lookahead first)
-    "hot": ([], ("lookahead_hot", "torchrec_table_wise")),
+    "hot": (["--hot_rows"], ("lookahead_hot", "torchrec_table_wise")),
     "plain": (["--no_hot_rows", "--torchrec_plan"], ("lookahead", "torchrec_plan")),
 }
 

@@ -1,7 +1,7 @@
 """Sharding-planner extension: cache sizes from measured miss rates, and the rows to replicate."""
 
 from planners.cost import TableCacheCost, optimizer_state_floats
-from planners.hot import HotRowsProposal, hot_rows_report, propose_hot_rows
+from planners.hot import HotRowsProposal, LinkCost, hot_rows_report, propose_hot_rows
 from planners.planner import lookahead_planner, plan_report
 from planners.proposer import CacheProposal, LookaheadCacheProposer
 from planners.statistics import LOAD_FACTOR_GRID, LookaheadCacheStatistics
@@ -18,4 +18,5 @@ __all__ = [
     "optimizer_state_floats",
     "plan_report",
     "propose_hot_rows",
+    "LinkCost",
 ]

@@ -15,6 +15,14 @@ sample global batches (``a`` lookups per step and rank, touched in a share
 Rows that save bytes are hot, best first (bytes saved per byte of replica),
 until a memory budget is spent: a replica costs ``4 (D + state)`` bytes on
 every rank. Hot rows take their lookups off the owners' caches too.
+
+Bytes saved are time saved only where a byte costs time. Given a
+:class:`LinkCost` (what a byte on the link costs, measured or stated, and what
+the replicas' work costs per hot lookup and per step, measured on this
+machine), a row is hot only if the time its bytes take on the link exceeds
+the time its lookups cost the replicas, and no row is hot unless together
+they pay for the replicas' fixed cost per step too. On a fast link (or
+loopback) none pay, and training runs as without hot rows.
 """
 
 from __future__ import annotations
@@ -24,7 +32,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["HotRowsProposal", "hot_rows_report", "propose_hot_rows"]
+__all__ = ["HotRowsProposal", "LinkCost", "hot_rows_report", "propose_hot_rows"]
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Seconds: a byte a rank sends on the link, a hot lookup's work on the replicas
+    (split, pooling, gradient, update), and the replicas' fixed work per step (the
+    union's exchange and the ordered reduction's hops)."""
+
+    per_byte: float
+    per_lookup: float
+    per_step: float
+
+    def __post_init__(self) -> None:
+        for name in ("per_byte", "per_lookup", "per_step"):
+            value = getattr(self, name)
+            if not (value >= 0 and np.isfinite(value)):
+                raise ValueError(f"LinkCost.{name} must be a finite number >= 0, got {value}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,7 @@ def propose_hot_rows(
     state_floats: int,
     budget_bytes: int | None = None,
     bags_per_step: Mapping[str, int] | None = None,
+    link: LinkCost | None = None,
 ) -> HotRowsProposal:
     """The hot rows of every table from sample global batches (``batches[table][step]``:
     the ids every rank looks up in that step, together).
@@ -59,6 +85,8 @@ def propose_hot_rows(
         budget_bytes: replica memory per rank, all tables (None: every row that pays).
         bags_per_step: bags per step of each table (global batch size, the default, for
             one bag per sample), for its mean ids per bag.
+        link: what bytes and the replicas' work cost (None: every row that saves bytes
+            pays, as on a slow link).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -80,14 +108,21 @@ def propose_hot_rows(
         _, steps_touched = np.unique(touched, return_counts=True)  # same rows, same order
         a, p = counts / len(steps) / world_size, steps_touched / len(steps)  # a: per rank
         saved = share * (a * (8 + 8 * dim / pooling) - p * 8 * dim - 0.25)
-        for row, value in zip(rows[saved > 0], saved[saved > 0]):
-            candidates.append((value / row_bytes, name, int(row), float(value)))
+        pays = saved > 0
+        if link is not None:  # the bytes' time against the lookups' work on the replicas
+            pays &= saved * link.per_byte > a * link.per_lookup
+        for row, value, per_rank in zip(rows[pays], saved[pays], a[pays]):
+            candidates.append((value / row_bytes, name, int(row), float(value), float(per_rank)))
     candidates.sort(key=lambda c: -c[0])
     if budget_bytes is not None:
         candidates = candidates[: max(budget_bytes, 0) // row_bytes]
+    if link is not None:  # together they must pay for the replicas' fixed work too
+        net = sum(c[3] * link.per_byte - c[4] * link.per_lookup for c in candidates)
+        if net <= link.per_step:
+            candidates = []
     hot: dict[str, list[int]] = {}
     saved_bytes: dict[str, float] = {}
-    for _, name, row, value in candidates:
+    for _, name, row, value, _ in candidates:
         hot.setdefault(name, []).append(row)
         saved_bytes[name] = saved_bytes.get(name, 0.0) + value
     chosen = {name: np.sort(np.array(rows, dtype=np.int64)) for name, rows in hot.items()}

@@ -36,7 +36,10 @@ def run(
 def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
     interaction = ["--interaction_type", "dcn"] if ranks == 1 else []  # both archs covered
     schedule = ["--lr_warmup_steps", "5", "--lr_decay_start", "12", "--lr_decay_steps", "15"]
-    done, summary = run(tmp_path, *TINY, *interaction, *schedule, "--limit_train_batches", "30",
+    # Hot rows on auto, the link stated slow (0.1 Gbit/s): rows pay there.
+    slow_link = ["--link_gbps", "0.1"] if ranks == 2 else []
+    done, summary = run(tmp_path, *TINY, *interaction, *schedule, *slow_link,
+                        "--limit_train_batches", "30",
                         "--baseline", "--adagrad", "--plan_sample_batches", "10",
                         ranks=ranks)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -45,7 +48,8 @@ def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
     assert summary["weights_match"] is True and look["auroc"] == base["auroc"]
     assert summary["weights_max_difference"] == 0
     assert summary["weights_agreement"] == "bitwise equal"
-    if ranks == 2:  # hot rows replicated (by default), bitwise plain TorchRec's too
+    if ranks == 2:  # hot rows replicated (auto, on a slow link), bitwise plain TorchRec's too
+        assert "hot rows: auto: link 0.10 Gbit/s (stated)" in done.stdout, done.stdout[-2000:]
         assert look["hot_share"] > 0.5 and "hot rows:" in done.stdout
         embedding = [sum(v for k, v in r["bytes_per_step"].items() if k != "dense")
                      for r in (look, base)]  # fmt: skip

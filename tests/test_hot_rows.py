@@ -320,3 +320,25 @@ def test_the_replicas_apply_what_fbgemm_applies_to_the_owners_bags(optimizer, fe
         theirs += list(owner.split_optimizer_states()[0]) if optimizer != "sgd" else []
         for a, b in zip(mine, theirs, strict=True):
             assert torch.equal(a, b.view_as(a)), f"trial {trial}: {(a - b.view_as(a)).abs().max()}"
+
+
+def test_on_a_link_where_bytes_cost_little_no_row_pays() -> None:
+    """With what bytes and the replicas' work cost, a row is hot only where its bytes take
+    the link longer than its lookups take the replicas, and none unless together they pay
+    the fixed cost per step too."""
+    from planners import LinkCost
+
+    data = SyntheticCriteo(table_sizes=(50_000, 20), zipf_exponent=1.1, seed=3)
+    steps = [data.batch(s, 2048) for s in range(30)]
+    batches = {"big": [b.values[0] for b in steps], "tiny": [b.values[1] for b in steps]}
+    every = propose_hot_rows(batches, world_size=2, dim=16, state_floats=1)
+    slow = LinkCost(per_byte=8 / 1e9, per_lookup=1e-7, per_step=1e-4)  # 1 Gbit/s
+    fast = LinkCost(per_byte=8 / 100e9, per_lookup=1e-7, per_step=1e-4)  # 100 Gbit/s
+    on_slow = propose_hot_rows(batches, 2, 16, 1, link=slow)
+    assert 0 < on_slow.rows <= every.rows
+    assert set(on_slow.hot["tiny"]) == set(range(20)), "a tiny table still pays whole"
+    assert propose_hot_rows(batches, 2, 16, 1, link=fast).rows == 0
+    costly_step = LinkCost(per_byte=8 / 1e9, per_lookup=1e-7, per_step=1.0)
+    assert propose_hot_rows(batches, 2, 16, 1, link=costly_step).rows == 0
+    with pytest.raises(ValueError, match="per_byte must be a finite number"):
+        LinkCost(per_byte=float("nan"), per_lookup=0, per_step=0)

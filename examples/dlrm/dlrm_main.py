@@ -259,26 +259,32 @@ def run(args: argparse.Namespace) -> int:
     planner = None
     if args.plan_cache_sizes:
         planner, proposal = cache_planner(args, days, world_size, device)
-    hot = hot_rows(args, days, world_size)
-    look, look_opt = build(
-        args,
-        lookahead=True,
-        world_size=world_size,
-        device=device,
-        planner=planner,
-        hot=hot.hot if hot else None,
-    )
-    if rank == 0 and (planner is not None or hot is not None):
-        from planners import hot_rows_report, plan_report
+    models = []
+    if not args.baseline_only:
+        hot, hot_decision = hot_rows(args, days, world_size, device)
+        look, look_opt = build(
+            args,
+            lookahead=True,
+            world_size=world_size,
+            device=device,
+            planner=planner,
+            hot=hot.hot if hot else None,
+        )
+        models.append(("lookahead", look, look_opt))
+        if rank == 0:
+            from planners import hot_rows_report, plan_report
 
-        if planner is not None:
-            print(plan_report(look.plan, proposal))
-        if hot is not None:
-            print(hot_rows_report(hot))
+            if planner is not None:
+                print(plan_report(look.plan, proposal))
+            if world_size > 1:
+                print(f"hot rows: {hot_decision}")
+            if hot is not None:
+                print(hot_rows_report(hot))
     runs = []
-    if args.baseline:
+    if args.baseline or args.baseline_only:
         base, base_opt = build(args, lookahead=False, world_size=world_size, device=device)
-        if not args.torchrec_plan:  # same starting weights, from a plain checkpoint
+        models.append(("baseline", base, base_opt))
+        if not args.torchrec_plan and not args.baseline_only:  # same weights: a checkpoint
             look.load_state_dict(base.state_dict())
     checkpointer = None
     if args.save_dir:
@@ -312,9 +318,6 @@ def run(args: argparse.Namespace) -> int:
             if rank == 0:
                 print(f"resumed from {path} at step {start_step}")
 
-    models = [("lookahead", look, look_opt)] + (
-        [("baseline", base, base_opt)] if args.baseline else []
-    )
     try:
         for name, dmp, optimizer in models:
             lookahead = name == "lookahead"
@@ -341,11 +344,12 @@ def run(args: argparse.Namespace) -> int:
         stalls = torch.tensor(checkpointer.stall_s, dtype=torch.float64, device=device)
         dist.all_reduce(stalls, op=dist.ReduceOp.MAX)
         runs[0].checkpoint_stall_s = stalls.tolist()
-    same = weights_digest(look) == weights_digest(base) if args.baseline else None
-    comparable = args.baseline and not args.torchrec_plan
+    compared = args.baseline and not args.baseline_only
+    same = weights_digest(look) == weights_digest(base) if compared else None
+    comparable = compared and not args.torchrec_plan
     gap = weights_gap((look, look_opt), (base, base_opt), device) if comparable else None
-    digest = weights_digest(look)
-    sharded = [m for m in look.modules() if isinstance(m, LookaheadModule)]
+    digest = weights_digest(models[0][1])
+    sharded = [m for _, dmp, _ in models for m in dmp.modules() if isinstance(m, LookaheadModule)]
     cached = torch.tensor(
         [sum(sum(g.cache_rows) for m in sharded for g in m.cached_groups)], device=device
     )

@@ -112,17 +112,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     hot.add_argument(
         "--hot_rows",
         dest="hot_rows",
-        action="store_true",
-        default=True,
-        help="replicate on every rank the rows whose replicas save bytes per "
-        "step, as planners/hot.py finds them on --plan_sample_batches "
-        "batches (the default; several ranks, without --dedup)",
+        action="store_const",
+        const="on",
+        default="auto",
+        help="replicate on every rank every row whose replicas save bytes per step, as "
+        "planners/hot.py finds them on --plan_sample_batches batches (several ranks, "
+        "without --dedup). The default, 'auto', keeps only the rows whose bytes cost the "
+        "link more time than their lookups cost the replicas (the link probed at start, "
+        "or --link_gbps), which on a fast link is none",
     )
     hot.add_argument(
         "--no_hot_rows",
         dest="hot_rows",
-        action="store_false",
+        action="store_const",
+        const="off",
         help="replicate no rows across ranks",
+    )
+    p.add_argument(
+        "--link_gbps",
+        type=float,
+        default=None,
+        help="the link's rate per host in Gbit/s, for choosing hot rows (default: measured "
+        "at start with a short all-to-all)",
+    )
+    p.add_argument(
+        "--baseline_only",
+        action="store_true",
+        help="train plain TorchRec alone (with --torchrec_plan: its planner's plan), for "
+        "benchmarks that time it apart",
     )
     p.add_argument(
         "--hot_budget_mb",
@@ -221,7 +238,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         positive(name)
     if args.num_workers < 0:
         p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
-    for name in ("scale", "zipf", "learning_rate", "cache_budget_mb"):
+    for name in ("scale", "zipf", "learning_rate", "cache_budget_mb", "link_gbps"):
         positive_number(name)
     positive_number("step_compute_ms", allow_zero=True)
     if args.embedding_dim % 4:
@@ -264,6 +281,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--synthetic_days must be at least 2 (train, then validation/test)")
     if (args.resume or args.checkpoint_every) and not args.save_dir:
         p.error("--resume and --checkpoint_every need --save_dir")
+    if args.baseline_only and (args.resume or args.save_dir or args.baseline):
+        p.error(
+            "--baseline_only trains plain TorchRec alone, from the start: no --baseline, "
+            "--resume or --save_dir"
+        )
     if args.resume and args.baseline:
         p.error("--resume continues the lookahead run only; run --baseline from the start")
     if args.async_checkpoint and not args.save_dir:

@@ -88,22 +88,47 @@ def cache_planner(args, days, world_size: int, device: torch.device):
     )
 
 
-def hot_rows(args, days, world_size: int):  # noqa: ANN201
-    """The rows worth replicating on every rank (``planners.hot``), or None: one rank,
-    --no_hot_rows, --dedup (deduplicated batches are not split), or no row that saves
-    bytes."""
+def hot_rows(args, days, world_size: int, device: torch.device):  # noqa: ANN201
+    """The rows worth replicating on every rank (``planners.hot``) and what decided it, or
+    ``(None, why)``: one rank, --no_hot_rows, --dedup (deduplicated batches are not
+    split), or no row that pays. ``--hot_rows`` takes every row that saves bytes; by
+    default ("auto") only rows whose bytes cost the link more time than their lookups
+    cost the replicas (the link probed, or --link_gbps; the replicas' work timed here)."""
     from planners import optimizer_state_floats, propose_hot_rows
+    from planners.link import measure_link_cost
 
-    if world_size == 1 or not args.hot_rows or args.dedup:
-        return None
+    if world_size == 1:
+        return None, "one rank: nothing to replicate"
+    if args.hot_rows == "off" or args.dedup:
+        return None, "off (--no_hot_rows)" if args.hot_rows == "off" else "off (--dedup)"
     samples = {
         name: [ids.numpy() for ids in steps]
         for name, steps in sample_ids(args, days, world_size).items()
     }
     budget = None if args.hot_budget_mb is None else int(args.hot_budget_mb * 2**20)
-    state = optimizer_state_floats(embedding_optimizer(args), args.embedding_dim)
-    proposal = propose_hot_rows(samples, world_size, args.embedding_dim, state, budget)
-    return proposal if proposal.rows else None
+    optimizer = embedding_optimizer(args)
+    state = optimizer_state_floats(optimizer, args.embedding_dim)
+    link, why = None, "on (--hot_rows): every row that saves bytes"
+    if args.hot_rows == "auto":
+        link = measure_link_cost(
+            samples,
+            args.embedding_dim,
+            optimizer,
+            {"learning_rate": args.learning_rate},
+            dist.GroupMember.WORLD,
+            device,
+            args.link_gbps,
+        )
+        how = "stated" if args.link_gbps else "measured"
+        why = (
+            f"auto: link {8 / link.per_byte / 1e9:.2f} Gbit/s ({how}), replicas "
+            f"{link.per_lookup * 1e6:.2f} us per hot lookup + {link.per_step * 1e3:.2f} ms "
+            "per step"
+        )
+    proposal = propose_hot_rows(samples, world_size, args.embedding_dim, state, budget, link=link)
+    if not proposal.rows:
+        return None, why + ": no row pays"
+    return proposal, why
 
 
 def build(
