@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.planner.types import Topology
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 
 from planners.statistics import LookaheadCacheStatistics
 
@@ -28,15 +29,24 @@ ROWWISE_OPTIMIZERS = frozenset({
 })  # fmt: skip
 
 
-def optimizer_state_floats(optimizer: EmbOptimType, dim: int) -> int:
-    """Optimizer state per row, in floats, for FBGEMM's fused optimizers."""
-    return {
+def optimizer_state_floats(optimizer: EmbOptimType | type, dim: int) -> int:
+    """Optimizer state per row, in floats, for FBGEMM's fused optimizers: an
+    ``EmbOptimType``, or the optimizer class given to ``apply_optimizer_in_backward``
+    (``torchrec.optim.RowWiseAdagrad``, ...), mapped as TorchRec's sharders map it.
+    An optimizer whose state is not known here is refused, not guessed."""
+    if isinstance(optimizer, type):
+        optimizer = optimizer_type_to_emb_opt_type(optimizer)
+    floats = {
         EmbOptimType.EXACT_SGD: 0,
         EmbOptimType.EXACT_ROWWISE_ADAGRAD: 1,
         EmbOptimType.EXACT_ADAGRAD: dim,
         EmbOptimType.ADAM: 2 * dim,
         EmbOptimType.PARTIAL_ROWWISE_ADAM: dim + 1,
-    }.get(optimizer, dim)
+    }
+    if optimizer not in floats:
+        known = ", ".join(sorted(str(o) for o in floats))
+        raise ValueError(f"the state of optimizer {optimizer} is not known here; known: {known}")
+    return floats[optimizer]
 
 
 @dataclass(frozen=True)

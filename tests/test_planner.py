@@ -170,3 +170,16 @@ def test_a_gpu_store_keeps_row_wise_state_in_device_memory() -> None:
     plain = TableCacheCost("t", 1000, 16, optimizer_state_floats(EmbOptimType.EXACT_SGD, 16),
                            stats)  # fmt: skip
     assert plain.store_device_bytes() == 0
+
+
+def test_optimizer_state_is_known_for_fbgemms_optimizers_and_torchrecs_classes() -> None:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.optim import Adagrad, RowWiseAdagrad
+
+    from planners import optimizer_state_floats
+
+    assert optimizer_state_floats(EmbOptimType.EXACT_ROWWISE_ADAGRAD, 16) == 1
+    assert optimizer_state_floats(RowWiseAdagrad, 16) == 1  # the class, as TorchRec maps it
+    assert optimizer_state_floats(Adagrad, 16) == 16
+    with pytest.raises(ValueError, match="is not known here"):
+        optimizer_state_floats(EmbOptimType.LAMB, 16)

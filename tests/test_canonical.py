@@ -1,0 +1,32 @@
+"""The canonical use in docs/design.md is examples/canonical.py's, and that file runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "canonical.py"
+
+
+def test_the_design_shows_the_examples_canonical_block_line_for_line() -> None:
+    script = SCRIPT.read_text()
+    block = script[script.index("# fmt: off\n") + len("# fmt: off\n") : script.index("# fmt: on\n")]
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design[design.index("## The canonical use under") :]
+    shown = section[section.index("```python\n") + len("```python\n") : section.index("```\n")]
+    assert shown == block.replace("  # noqa: E501", "")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_canonical_use_runs_as_written(ranks: int) -> None:
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    done = subprocess.run([*launcher, str(SCRIPT)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"trained 40 steps on {ranks} rank(s)" in done.stdout
+    assert "embedding_bags.t2.weight (101312, 16)" in done.stdout  # the full table, not a cache
