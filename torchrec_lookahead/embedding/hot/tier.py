@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,12 +110,21 @@ class HotRowTier:
         self._group: dist.ProcessGroup | None = None
         self._current = False  # the replicas hold the newest values of their rows
         self._placeholder = torch.zeros(1, requires_grad=True)  # gives the lookup a backward
+        # The ordered reduction of each step runs on a thread of its own (on the CPU), so
+        # the backward goes on while the ranks pass their sums along; it is applied before
+        # the replicas are next read (``settle``). The hot rows' process group is used by
+        # that thread alone, and by the trainer only once every reduction has settled.
+        self._reducer = ThreadPoolExecutor(
+            1, "hot-rows-sum", initializer=torch.set_num_threads, initargs=(1,)
+        )
+        self._pending: tuple[Future, Union] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
     def attach(self, group: dist.ProcessGroup | None) -> None:
         """Check every rank holds this layout; load the replicas unless current. A
         collective on ``group``, the ranks the update runs over."""
+        self.settle()
         self._group = group
         if group is not None and dist.get_world_size(group) > 1:
             self._check_same_layout(group)
@@ -126,6 +136,7 @@ class HotRowTier:
         self._current = False
 
     def _load(self) -> None:
+        self.settle()  # a pending update lands first (the load then overwrites it)
         self.replicas.load(self._owners.shard_readers(), self._group)
         self._current = True
 
@@ -158,30 +169,54 @@ class HotRowTier:
     def lookup(self, hot: HotInput) -> torch.Tensor:
         """The hot part of the step's pooled features, ``[batch, keys * dim]`` in the
         collection's key order; its backward updates every replica."""
+        self.settle()
         if not self._current:  # the owners were loaded since: a collective, ranks alike
             self._load()
         return _HotLookup.apply(self._placeholder, self, hot)
 
     def update(self, hot: HotInput, grad: torch.Tensor) -> None:
-        """Sum the step's hot-row gradients over the ranks in the owners' order and apply
-        them to every replica, each table at its owner's learning rate."""
+        """Start summing the step's hot-row gradients over the ranks in the owners' order;
+        :meth:`settle` applies the sums to every replica, each table at its owner's rate
+        (read now: the rate the owner's update of this step uses)."""
         split, layout = hot.split, self.layout
         union = hot.union()
         if not len(union.host):  # no rank's batch touched a hot row: nothing to send
             return
-        keys, dim = len(layout.keys), layout.dim
+        world = dist.get_world_size(self._group) if self._group is not None else 1
+        local = self._owners.learning_rates()
+        rates = np.array([local.get(name, np.nan) for name in layout.tables])
+        args = (split, union, grad, world, rates)
+        if self.device.type == "cpu":
+            future = self._reducer.submit(self._reduce, *args)
+        else:  # NCCL: every collective on the trainer's thread, in one order on every rank
+            future = Future()
+            future.set_result(self._reduce(*args))
+        self._pending = (future, union)
+
+    def _reduce(
+        self, split: HotSplit, union: Union, grad: torch.Tensor, world: int, rates: np.ndarray
+    ) -> tuple[torch.Tensor, np.ndarray]:
+        """Each hot id's gradient (its bag's, divided by the world size as TorchRec's owners
+        divide theirs), summed over the ranks in the owners' order."""
+        keys, dim = len(self.layout.keys), self.layout.dim
         per_bag = grad.view(split.batch, keys, dim).transpose(0, 1).reshape(-1, dim)
         per_id = per_bag.index_select(0, split.bags)
-        world = dist.get_world_size(self._group) if self._group is not None else 1
-        if world > 1 and get_gradient_division():  # as TorchRec's owners divide theirs
+        if world > 1 and get_gradient_division():
             per_id = per_id / world
         starts = (0, *split.round_ends[:-1])
         positions = union.positions
         rounds = [(positions[a:b], per_id[a:b]) for a, b in zip(starts, split.round_ends)]
-        local = self._owners.learning_rates()
-        rates = np.array([local.get(name, np.nan) for name in layout.tables])
-        sums, rates = ordered_sum(rounds, len(union.host), dim, rates, self._group, self.device)
-        touched_tables = np.unique(layout.table_of_row[union.host])
+        return ordered_sum(rounds, len(union.host), dim, rates, self._group, self.device)
+
+    def settle(self) -> None:
+        """Apply the last step's update once its sums are in: before the replicas are next
+        read (the next lookup, a fold, a load) and before the group is used again."""
+        if self._pending is None:
+            return
+        future, union = self._pending
+        self._pending = None
+        sums, rates = future.result()
+        touched_tables = np.unique(self.layout.table_of_row[union.host])
         if np.isnan(rates[touched_tables]).any():
             raise RuntimeError(
                 "no rank owns some hot tables' rows: the sharding plan and the hot rows disagree"
@@ -196,10 +231,14 @@ class HotRowTier:
     ) -> tuple[np.ndarray, torch.Tensor, list[torch.Tensor]] | None:
         """The replicas of table ``name``'s rows ``[start, stop)`` for its owner's store
         (``None`` if it has none, or the owner's rows are newer)."""
-        return self.replicas.fold(name, start, stop) if self._current else None
+        if not self._current:
+            return None
+        self.settle()
+        return self.replicas.fold(name, start, stop)
 
     def replica_rows(self) -> list[torch.Tensor]:
         """Every replica group's weights, then optimizer state (for checks)."""
+        self.settle()
         return [t for g in range(len(self.layout.groups)) for t in self.replicas.tensors(g)]
 
 
