@@ -1,18 +1,52 @@
 """The CUDA path, checked on the CPU: one test per defect an audit of the never-run CUDA code
-found (see docs/design.md, "Streams and devices"), each failing before its fix.
+found (see docs/design.md, "Streams and devices"), each failing before its fix, and whole
+steps through the path.
 
 What a CPU can show (checked with torch 2.13 CPU): fake CUDA tensors
 (``FakeTensorMode``) reject device mismatches; the ``cuda:fake`` process-group
 backend takes CUDA tensors only, as NCCL does; FBGEMM's CUDA variable-batch
 output is ``[1, N]``; a side stream that defers its work until waited for
 (``torchrec_lookahead.testing.streams``) turns a missing wait into a wrong value.
+
+The whole path runs under ``torchrec_lookahead.testing.fake_cuda.FakeCuda``
+(``FakeTensorMode`` CUDA tensors with real CPU memory behind them, so that the
+stage can read ids back and the store gets real rows) and
+``torchrec_lookahead.testing.stream_check.StreamChecker`` (the rule CUDA's stream
+sanitizer enforces, and ``record_stream`` before a free, over the package's own
+streams: the trainer's, the side stream, the stage's).
+
+FBGEMM operators stubbed under fake tensors (``fake_cuda.STUBBED``): a CPU build of
+FBGEMM ships its TBE's CUDA forward kernels without a fake kernel, so
+``fbgemm::split_embedding_codegen_forward_unweighted_pt2_wrapper`` and
+``fbgemm::split_embedding_codegen_forward_weighted_pt2_wrapper`` get one (the pooled
+output's shape, ``[batch, total_D]``); every other FBGEMM operator on the path runs its
+own fake kernel (``bounds_check_indices``, the TBE lookup's) or, for the host side, its
+CPU kernel. The TBE kernels' values are not computed (zero): the cache's moves, the
+store and the planning are, on real data.
+
+Not reachable on a CPU build: the backward. Autograd cannot record a fake CUDA tensor
+there (the process aborts: it asks the CUDA device guard, which a CPU build lacks, for
+the current stream), so the whole-path steps run forward only, under
+``torch.no_grad()``; the fused optimizer's update and its ordering against the moves are
+checked on the CPU device instead (``tests/test_exactness.py`` runs under the stream
+checker, which follows FBGEMM's backward row by row).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
 import pytest
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import torchrec_lookahead.streams as streams
 from tests.models import (
     UNWEIGHTED,
     assert_same_training_state,
@@ -23,9 +57,26 @@ from tests.models import (
 )
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
 from torchrec_lookahead._compat import fake_cuda_tensors, fake_store
+from torchrec_lookahead.cache.pools import slot_pools
+from torchrec_lookahead.cache.table import CacheTable
+from torchrec_lookahead.pipeline.executor import PlanExecutor
+from torchrec_lookahead.pipeline.stage import LookaheadStage
+from torchrec_lookahead.store.stores import HostStore
+from torchrec_lookahead.testing.fake_cuda import FakeCuda
+from torchrec_lookahead.testing.stream_check import StreamChecker
 from torchrec_lookahead.testing.streams import use_deferred_side_streams
+from torchrec_lookahead.types import CachePlan, PlannedStep, StepContext, StepInput
 
 DATA = batches(16)
+CUDA = torch.device("cuda", 0)
+
+
+@contextmanager
+def fake_cuda() -> Iterator[tuple[FakeCuda, StreamChecker]]:
+    """Fake CUDA tensors with real values behind them, under the stream checker (leaving
+    the block raises what it found)."""
+    with FakeCuda(CUDA) as fake, StreamChecker(CUDA, values=fake.real) as checker:
+        yield fake, checker
 
 
 def test_a_state_dict_mid_window_waits_for_rows_still_landing() -> None:
@@ -36,8 +87,9 @@ def test_a_state_dict_mid_window_waits_for_rows_still_landing() -> None:
         model = lookahead_model("adagrad", cache_load_factor=0.05)
         twin = reference_twin(model, "adagrad")
         dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
-        with LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=4,
-                                    prefetch_distance=2) as pipeline:  # fmt: skip
+        with LookaheadTrainPipeline(
+            model, dense, torch.device("cpu"), lookahead=4, prefetch_distance=2
+        ) as pipeline:
             it = iter(DATA)
             for _ in range(10):
                 pipeline.progress(it)
@@ -48,9 +100,7 @@ def test_a_state_dict_mid_window_waits_for_rows_still_landing() -> None:
 def test_the_store_moves_rows_on_the_device_its_tensors_are_on() -> None:
     """Defect 1: under DMP on CUDA the store is FBGEMM's UVM TBE (weights and row-wise
     state are CUDA tensors); gathers and scatters used CPU ids and CPU buffers."""
-    from torchrec_lookahead.store import HostStore
-
-    with fake_cuda_tensors():
+    with FakeCuda(CUDA):
         weights = torch.empty(100, 8, device="cuda")
         state = torch.empty(100, device="cuda")
         store = HostStore([weights], states=[[state]])
@@ -58,6 +108,23 @@ def test_the_store_moves_rows_on_the_device_its_tensors_are_on() -> None:
         got, (got_state,) = store.gather(0, ids)
         assert got.device.type == "cuda" and got_state.device.type == "cuda"
         store.scatter(0, ids, got, [got_state])
+
+
+def test_the_store_scatters_host_rows_into_a_device_table_without_blocking() -> None:
+    """Audit item 13: the scatter into a store on the device (DMP's UVM table) copied the
+    ids and the rows with blocking copies from pageable memory."""
+    with FakeCuda(CUDA) as fake:
+        values = torch.arange(40.0).view(10, 4)
+        store = HostStore([values.to(CUDA)], states=[[torch.zeros(10).to(CUDA)]])
+        rows = torch.full((2, 4), -1.0).pin_memory()  # host rows, as the cache stages them
+        fake.transfers.clear()
+        store.scatter(0, torch.tensor([7, 2]), rows, [torch.ones(2).pin_memory()])
+        assert fake.blocking_transfers() == []
+        assert fake.transfers and all(t.to_device for t in fake.transfers)
+        expected = values.clone()
+        expected[[7, 2]] = -1.0
+        assert torch.equal(fake.real(store.weights[0]), expected)
+        assert fake.real(store.states[0][0]).tolist() == [0, 0, 1, 0, 0, 0, 0, 1, 0, 0]
 
 
 def test_a_vote_on_a_refused_batch_uses_tensors_of_the_collectives_device() -> None:
@@ -97,8 +164,7 @@ def test_an_unsharded_disk_store_on_cuda_is_refused(tmp_path) -> None:
     """Defect 4: the unsharded module pinned (copied into page-locked RAM) the mapped
     tables of a disk store on CUDA; the store is CPU-only for now, as under DMP."""
     with pytest.raises(ValueError, match="disk store .* CPU"):
-        LookaheadEmbeddingBagCollection(UNWEIGHTED, device=torch.device("cuda"),
-                                        store_dir=tmp_path)  # fmt: skip
+        LookaheadEmbeddingBagCollection(UNWEIGHTED, device=torch.device("cuda"), store_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -108,7 +174,238 @@ def test_gpu_check_says_it_needs_a_gpu_and_fails_without_one() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), sys.executable,
-                           "/tmp/unused"], capture_output=True, text=True, cwd=root)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh"), sys.executable, "/tmp/unused"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
     assert done.returncode == 1
     assert "no CUDA device here" in done.stderr and "needs a GPU" in done.stderr
+
+
+# ------------------------------------------------------------ the cache's moves on CUDA
+
+
+@dataclass
+class PooledCache:
+    """A cache of one pool of two tables (rows 0-5 and 6-10 of the pool) on fake CUDA, and
+    its store, in host memory or on the device (DMP's UVM store)."""
+
+    cache: CacheTable
+    store: HostStore
+    fake: FakeCuda
+    executor: PlanExecutor
+    steps: int = 0
+
+    def apply(self, plan: CachePlan) -> None:
+        """Apply ``plan`` as the pipeline does: through the executor (the side stream waits
+        for the trainer's issue point), the trainer's stream then waiting for the moves."""
+        self.executor.submit(self.steps, [partial(self.cache.apply, 0, plan)])
+        self.executor.wait(self.steps)
+        self.steps += 1
+
+    def store_rows(self) -> list[torch.Tensor]:
+        """Each table's weights and its row-wise state, as they are in the store now."""
+        tensors = [
+            t for table in range(2) for t in (self.store.weights[table], *self.store.states[table])
+        ]
+        return [self.fake.real(t).clone() if self.store.on_device else t.clone() for t in tensors]
+
+    def bump_cached_rows(self) -> None:
+        """Add 1 to every cache slot's weight, on the device (as an update would)."""
+        with torch.no_grad():
+            for weights in self.cache.tbe.split_embedding_weights():
+                weights.add_(1.0)
+
+
+@contextmanager
+def pooled_cache(store_on_device: bool) -> Iterator[PooledCache]:
+    with fake_cuda() as (fake, _):
+        optimizer = EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        pools = slot_pools([6, 5], [4, 4], optimizer)
+        assert len(pools) == 1 and pools[0].tables == (0, 1)
+        weights = [torch.arange(24.0).view(6, 4), 100 + torch.arange(20.0).view(5, 4)]
+        states = [[torch.arange(6.0)], [10 + torch.arange(5.0)]]
+        if store_on_device:
+            weights = [w.to(CUDA) for w in weights]
+            states = [[s.to(CUDA) for s in table] for table in states]
+        store = HostStore(weights, pin=True, states=states)
+        params = {"learning_rate": 0.1}
+        cache = CacheTable(pools, [4], [0, 1], optimizer, store, CUDA, fbgemm_params=params)
+        executor = PlanExecutor(CUDA)
+        try:
+            yield PooledCache(cache, store, fake, executor)
+        finally:
+            executor.close()
+
+
+def plan(
+    step: int,
+    fetch: list[int] = (),
+    fetch_slots: list[int] = (),
+    evict: list[int] = (),
+    evict_slots: list[int] = (),
+) -> CachePlan:
+    return CachePlan(
+        step,
+        np.zeros(0, np.int64),
+        np.asarray(evict, np.int64),
+        np.asarray(evict_slots, np.int64),
+        np.asarray(fetch, np.int64),
+        np.asarray(fetch_slots, np.int64),
+    )
+
+
+@pytest.mark.parametrize("store_on_device", [False, True], ids=["host_store", "device_store"])
+def test_a_pool_of_two_tables_moves_its_rows_through_a_cuda_cache(store_on_device) -> None:
+    """Defect N1: a pool of two or more tables gathered its rows into a staging buffer on
+    the cache's device with CPU rows and a CPU index (the step-0 fetch and ``refresh``
+    raised). Rows of both tables go in, come back bumped, and reload after a store write;
+    every device copy ordered on the side stream (defect N2; the checker raises)."""
+    with pooled_cache(store_on_device) as pooled:
+        before = pooled.store_rows()
+        pooled.apply(plan(0, fetch=[1, 7, 10], fetch_slots=[2, 0, 3]))
+        pooled.bump_cached_rows()
+        pooled.apply(plan(1, evict=[1, 7, 10], evict_slots=[2, 0, 3]))
+        after = pooled.store_rows()
+        expected = [t.clone() for t in before]
+        expected[0][1] += 1  # table 0, row 1
+        expected[2][[1, 4]] += 1  # table 1, rows 1 and 4 (pool ids 7 and 10)
+        for got, want in zip(after, expected):
+            assert torch.equal(got, want)
+        assert torch.equal(after[1], before[1]) and torch.equal(after[3], before[3])
+
+        pooled.apply(plan(2, fetch=[0, 6], fetch_slots=[1, 2]))
+        with torch.no_grad():  # the store is overwritten (a load), the cache reloaded
+            for tensor in (pooled.store.weights[0], pooled.store.weights[1]):
+                tensor.mul_(-1.0)
+            reloaded = pooled.store_rows()
+            pooled.cache.refresh(states=True)
+            pooled.bump_cached_rows()
+        pooled.cache.write_back_all()
+        final = pooled.store_rows()
+        reloaded[0][0] += 1  # the reloaded rows, bumped, written back
+        reloaded[2][0] += 1
+        for got, want in zip(final, reloaded):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("store_on_device", [False, True], ids=["host_store", "device_store"])
+def test_moves_copy_between_host_and_device_without_blocking(store_on_device) -> None:
+    """Audit items 12 and 13: the copies of slot indices to the device (``refresh``, the
+    write-back's read) and the store's scatter into a device table were blocking copies
+    from pageable memory on the current stream."""
+    with pooled_cache(store_on_device) as pooled:
+        fake = pooled.fake
+        fake.transfers.clear()
+        pooled.apply(plan(0, fetch=[1, 7, 10], fetch_slots=[2, 0, 3]))
+        pooled.apply(plan(1, fetch=[4], fetch_slots=[1], evict=[7], evict_slots=[0]))
+        pooled.cache.refresh(states=True)
+        pooled.cache.write_back_all()
+        assert {t.to_device for t in fake.transfers} == {True, False}  # both ways were seen
+        assert [t for t in fake.transfers if t.blocking] == []
+
+
+# ------------------------------------------------------------ streams
+
+
+def test_cuda_and_cuda0_name_one_side_stream() -> None:
+    """Defect N7: side streams were keyed by the device as given, so ``cuda`` and
+    ``cuda:0`` had a side stream each, and moves on one were not ordered with the other."""
+    with StreamChecker(CUDA):
+        assert streams.side_stream(torch.device("cuda")) is streams.side_stream(CUDA)
+        assert streams.side_stream("cuda:0") is streams.side_stream(CUDA)
+    assert streams.side_stream("cpu") is streams.side_stream(torch.device("cpu"))
+
+
+@dataclass(frozen=True)
+class HotPart:
+    """Stands in for what a sharded module's hot-row tier puts in a step's input."""
+
+    rows: torch.Tensor
+    exchange: object = None
+
+
+def test_the_hand_over_marks_every_tensor_of_the_step_for_the_trainer() -> None:
+    """Defect N4: the hand-over marked the batch and the distributed input as used on the
+    trainer's stream, not the step's slots (made on the stage's stream) nor anything else
+    of the context; they could be handed out again while the trainer still read them."""
+    with fake_cuda() as (_, checker):
+        stage = LookaheadStage([], {}, CUDA, threaded=False)
+        features = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f0"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])
+        ).to(CUDA)
+        batch = Batch(torch.zeros(2, 4).to(CUDA), features, torch.ones(2).to(CUDA))
+        slots = torch.tensor([5, 6, 7]).to(CUDA)
+        hot = HotPart(torch.tensor([0, 1]).to(CUDA))
+        inputs = {"module": StepInput([], None, replicated=hot)}
+        context = StepContext(0, batch, inputs, PlannedStep(0, [], {"group": slots}))
+        stage.hand_over(context)
+        trainer = checker.stream_name(0)
+        for name, tensor in [
+            ("dense", batch.dense_features),
+            ("ids", features.values()),
+            ("labels", batch.labels),
+            ("slots", slots),
+            ("hot rows", hot.rows),
+        ]:
+            assert trainer in checker.recorded_streams(tensor), name
+
+
+# ------------------------------------------------------------ the whole path
+
+
+def test_an_unsharded_window_runs_end_to_end_on_fake_cuda() -> None:
+    """A whole window on CUDA, unsharded, under the stream checker: the stage moves each
+    batch to the device, plans it (reading its ids back), the executor fetches and evicts
+    through pinned staging on the side stream (a pool of two tables among them), the
+    steps look the rows up, ``state_dict`` writes the cache back and ``load_state_dict``
+    reloads it. No step trains (fake CUDA has no backward here, see the module), so the
+    store must come back as it was, except for what is changed on the device on purpose."""
+    with fake_cuda() as (fake, checker):
+        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.05, device=CUDA)
+        model.over.to(CUDA)
+        model.eval()
+        initial = [module.state_dict() for module in (model.unweighted, model.weighted)]
+        initial = [{k: v.clone() for k, v in state.items()} for state in initial]
+        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+        with (
+            torch.no_grad(),
+            LookaheadTrainPipeline(
+                model, dense, CUDA, lookahead=4, prefetch_distance=2
+            ) as pipeline,
+        ):
+            it = iter(DATA)
+            for _ in range(12):
+                logits = pipeline.progress(it)
+                assert logits.device == CUDA and logits.shape == (32,)
+            metrics = pipeline.cache_metrics()["total"]
+            assert metrics.misses > 0 and metrics.rows_written_back > 0
+            for module, state in zip((model.unweighted, model.weighted), initial):
+                got = module.state_dict()
+                assert all(torch.equal(got[k], v) for k, v in state.items())
+            moves = [t for t in fake.transfers if t.thread == "lookahead-executor"]
+            assert moves and not [t for t in moves if t.blocking]
+            with pytest.raises(StopIteration):  # the last steps, planned at the end of the data
+                while True:
+                    pipeline.progress(it)
+
+            # The moves are done (a load while moves are in flight races with them: see the
+            # report of this change). Rows changed on the device reach the store, and a load
+            # reloads them.
+            group = model.weighted.cached_groups[0]  # w0 and w1: one pool of two tables
+            assert len(group.pools) == 1 and len(group.pools[0].tables) == 2
+            resident = [int((ids >= 0).sum()) for ids in group.cache.slot_ids]
+            with torch.no_grad():
+                for weights in group.cache.tbe.split_embedding_weights():
+                    weights.add_(1.0)  # on the device, as an update would
+            group.cache.write_back_all()  # the module writes back only after a lookup
+            bumped = model.weighted.state_dict()
+            changed = sum(int((bumped[k] != v).any(dim=1).sum()) for k, v in initial[1].items())
+            assert changed == sum(resident) > 0
+            model.weighted.load_state_dict(initial[1])  # reloads the cached rows
+            group.cache.write_back_all()
+            reloaded = model.weighted.state_dict()
+            assert all(torch.equal(reloaded[k], v) for k, v in initial[1].items())
+        assert checker.operators > 0

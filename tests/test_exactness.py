@@ -6,10 +6,15 @@ same TBE kernels on the same rows in the same order; the cache only renames
 rows to slots, so weights, optimizer state, dense parameters and every
 step's output agree exactly, with no tolerance.
 
-Every test runs twice: with the CPU's side stream (moves land at once) and
-with a deferred one that holds the moves back until the trainer waits for
-them, as a GPU's side stream would (``torchrec_lookahead.testing.streams``):
-a missing wait then reads rows that have not landed and the results differ.
+Every test runs twice: with moves that land at once, under the stream checker
+(every access to device memory -- the cache's rows, the step's slots and batch --
+across the trainer's stream, the side stream and the stage's must be ordered by
+an event, as CUDA's sanitizer demands; ``torchrec_lookahead.testing.stream_check``;
+the matrix of optimizers, lookaheads and distances is checked at lookahead 8,
+where its other lookaheads run the same ordering code), and with a deferred side
+stream that holds the moves back until the trainer waits for them, as a GPU's
+side stream would (``torchrec_lookahead.testing.streams``): a missing wait then
+reads rows that have not landed and the results differ.
 """
 
 from __future__ import annotations
@@ -27,17 +32,28 @@ from tests.models import (
     train_reference,
 )
 from torchrec_lookahead.streams import side_stream
+from torchrec_lookahead.testing.stream_check import StreamChecker
 from torchrec_lookahead.testing.streams import DeferredSideStream, use_deferred_side_streams
 
 STEPS = 120
 DATA = batches(STEPS)
 
 
+CHECKED_LOOKAHEAD = 8  # the matrix's lookahead run under the stream checker (see above)
+
+
 @pytest.fixture(autouse=True, params=["immediate", "deferred"])
 def side_streams(request):
-    """Row moves on the CPU's side stream, or on one that defers them until waited for."""
+    """Row moves that land at once (under the stream checker: every cross-stream access
+    checked), or on a side stream that defers them until waited for."""
     if request.param == "immediate":
-        yield
+        callspec = getattr(request.node, "callspec", None)
+        if callspec is not None and callspec.params.get("lookahead", 8) != CHECKED_LOOKAHEAD:
+            yield  # the CPU's own side stream
+            return
+        with StreamChecker("cpu") as checker:  # raises what it found when the test ends
+            yield
+            assert checker.operators > 0, "the checker saw no device memory: it checked nothing"
         return
     with use_deferred_side_streams():
         yield

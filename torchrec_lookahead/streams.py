@@ -1,46 +1,76 @@
-"""The side stream that cache rows move on, one code path for CUDA and the CPU.
+"""Streams, events and device copies: one code path for CUDA and the CPU.
 
 Row moves (fetches into the cache, write-backs out of it) run on a stream of
-their own so that they overlap with the trainer's compute; on the CPU there is
-no stream and the work runs at once. Everything goes through
-``torch.get_device_module(device)`` with explicit devices, so the lines that
-order work on CUDA run on the CPU too (``torch.cpu``'s streams and events are
-no-ops). :func:`side_stream` hands out one :class:`SideStream` per device;
-``torchrec_lookahead.testing.streams.DeferredSideStream`` stands in for it in
-tests, holding the work back until something waits for it, so that a missing
-wait shows as a wrong value on the CPU.
+their own so that they overlap with the trainer's compute; the lookahead stage
+has a stream of its own too. On the CPU there is no stream and the work runs at
+once. Everything goes through ``torch.get_device_module(device)`` with
+explicit devices, so the lines that order work on CUDA run on the CPU too
+(``torch.cpu``'s streams and events are no-ops). Every stream, event and
+``record_stream`` of the package goes through this module, behind one
+:class:`StreamBackend`; the test doubles in ``torchrec_lookahead.testing``
+swap in their own (:func:`use_backend`): a side stream that holds its work
+back until something waits for it, and a checker of the ordering rules below.
 
 The orderings, as the pipeline uses them:
 
 1. The trainer records an event at a step's issue point (:func:`mark`); the
    side stream waits for it (``wait_for``) before moving rows the trainer's
    optimizer may still be updating.
-2. The moves of a step run on the side stream (``run``); an event recorded
-   after them (``record``) is what the step's forward waits for
-   (``current_waits``).
+2. All device work of a step's moves runs on the side stream (``run``): the
+   copies of slot indices and rows to the device as well as the row copies
+   themselves, so that no tensor made on one stream is read on another
+   unordered. An event recorded after them (``record``) is what the step's
+   forward waits for (``current_waits``).
 3. Reading the cache from the trainer's thread outside a step (write-backs
    for ``state_dict``, checkpoints, eval) first waits for every move queued
    so far (``drain``).
+4. Tensors made on one stream and used on another (the stage's batch, its
+   distributed input, the step's slots) are marked as used there
+   (:func:`record_use`), so that the caching allocator does not hand their
+   memory out again while that stream may still read it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["SideStream", "mark", "side_stream"]
+__all__ = [
+    "SideStream",
+    "StreamBackend",
+    "host_side",
+    "mark",
+    "new_stream",
+    "normalize",
+    "record_use",
+    "side_stream",
+    "to_device",
+    "use_backend",
+]
+
+
+def normalize(device: torch.device | str) -> torch.device:
+    """``device`` with its index (the current device's where it has none): ``cuda`` and
+    ``cuda:0`` name one device, and get one side stream. The CPU has no index."""
+    device = torch.device(device)
+    if device.type in ("cpu", "meta"):
+        return torch.device(device.type)
+    if device.index is None:
+        return torch.device(device.type, _BACKEND.current_device(device))
+    return device
 
 
 class SideStream:
-    """A stream for row moves on ``device`` (a no-op stand-in on the CPU)."""
+    """A stream of ``device`` for work beside the trainer's (a no-op stand-in on the CPU)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._module: Any = torch.get_device_module(device)
-        self._stream = self._module.Stream(device)
+        self.device = normalize(device)
+        self._module: Any = torch.get_device_module(self.device)
+        self._stream = self._module.Stream(self.device)
 
     def run(self, work: Callable[[], None]) -> None:
         """Do ``work``'s device operations on this stream, in order with earlier work."""
@@ -72,20 +102,126 @@ class SideStream:
         self.record().synchronize()
 
 
-def mark(device: torch.device) -> Any:
-    """An event at the calling thread's current point on ``device`` (an issue point)."""
-    module: Any = torch.get_device_module(device)
-    event = module.Event()
-    event.record(module.current_stream(device))
-    return event
+class StreamBackend:
+    """How the package makes streams and events and marks tensors used on a stream:
+    torch's own. Test doubles subclass it (see :func:`use_backend`)."""
+
+    def make(self, device: torch.device, role: str) -> SideStream:
+        """A new stream of ``device`` for ``role`` (``"side"``: row moves; ``"stage"``)."""
+        return SideStream(device)
+
+    def mark(self, device: torch.device) -> Any:
+        """An event at the calling thread's current point on ``device``."""
+        module: Any = torch.get_device_module(device)
+        event = module.Event()
+        event.record(module.current_stream(device))
+        return event
+
+    def current_device(self, device: torch.device) -> int:
+        """The index of the calling thread's current device of ``device``'s type."""
+        return int(torch.get_device_module(device).current_device())
+
+    def record_use(self, parts: list[Any], device: torch.device) -> None:
+        """Mark ``parts`` (tensors, or objects with TorchRec's ``record_stream``) as used
+        on the calling thread's current stream of ``device``. The CPU's memory has no
+        streams, and its tensors no ``record_stream``: nothing to do there."""
+        if device.type == "cpu":
+            return
+        stream = torch.get_device_module(device).current_stream(device)
+        for part in parts:
+            if not isinstance(part, torch.Tensor) or part.device.type == device.type:
+                part.record_stream(stream)
+
+    def host_side(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is host memory (see :func:`host_side`)."""
 
 
+_BACKEND = StreamBackend()
 _STREAMS: dict[torch.device, SideStream] = {}
-_MAKE: Callable[[torch.device], SideStream] = SideStream  # the tests' deferred stream swaps in
 
 
-def side_stream(device: torch.device) -> SideStream:
+def side_stream(device: torch.device | str) -> SideStream:
     """The side stream of ``device`` that row moves run on (one per device and process)."""
+    device = normalize(device)
     if device not in _STREAMS:
-        _STREAMS[device] = _MAKE(device)
+        _STREAMS[device] = _BACKEND.make(device, "side")
     return _STREAMS[device]
+
+
+def new_stream(device: torch.device | str, role: str) -> SideStream:
+    """A stream of ``device`` of its own (the lookahead stage's: ``role="stage"``)."""
+    return _BACKEND.make(normalize(device), role)
+
+
+def mark(device: torch.device | str) -> Any:
+    """An event at the calling thread's current point on ``device`` (an issue point)."""
+    return _BACKEND.mark(normalize(device))
+
+
+def record_use(value: Any, device: torch.device | str) -> None:
+    """Mark every tensor found in ``value`` as used on the calling thread's current
+    stream of ``device`` (``record_stream``), so that memory allocated on another stream
+    is not handed out again while this one may still read it.
+
+    ``value`` is searched through: tensors; objects with TorchRec's ``record_stream``
+    (``Batch``, ``KeyedJaggedTensor``, the sharded modules' contexts); dataclasses
+    (their fields), mappings (their values), lists and tuples. Anything else holds
+    nothing the step reads from device memory.
+    """
+    _BACKEND.record_use(list(_parts(value, set())), normalize(device))
+
+
+def _parts(value: Any, seen: set[int]) -> Iterator[Any]:
+    """The tensors and ``record_stream`` objects in ``value`` (each once)."""
+    if value is None or isinstance(value, (str, bytes, int, float, bool)) or id(value) in seen:
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor) or callable(getattr(value, "record_stream", None)):
+        yield value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _parts(getattr(value, field.name), seen)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _parts(item, seen)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _parts(item, seen)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device``, copied without blocking the host: pageable host memory
+    goes through a page-locked copy first (a copy from pageable memory is synchronous),
+    which the caching host allocator keeps until the device has read it. The copy is
+    ordered on the calling thread's current stream. On its own device: ``tensor``."""
+    device = torch.device(device)
+    if tensor.device.type == device.type and device.index in (None, tensor.device.index):
+        return tensor
+    if device.type != "cpu" and tensor.device.type == "cpu" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def host_side(tensor: torch.Tensor) -> torch.Tensor:
+    """Declare ``tensor`` host memory (the backing store, staging buffers, bookkeeping):
+    host code reads and writes it in its own order, not a stream's. Where the device is
+    the CPU, its memory and the device's are the same; a stream checker then leaves
+    this tensor's memory unchecked. Returns ``tensor``."""
+    _BACKEND.host_side(tensor)
+    return tensor
+
+
+@contextmanager
+def use_backend(backend: StreamBackend) -> Iterator[StreamBackend]:
+    """Streams made inside this block come from ``backend`` (test doubles); the side
+    streams made before are set aside meanwhile, and back afterwards."""
+    global _BACKEND
+    saved, original = dict(_STREAMS), _BACKEND
+    _STREAMS.clear()
+    _BACKEND = backend
+    try:
+        yield backend
+    finally:
+        _BACKEND = original
+        _STREAMS.clear()
+        _STREAMS.update(saved)

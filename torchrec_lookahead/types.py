@@ -195,7 +195,9 @@ class StepContext:
     batch: Any
     inputs: dict[Any, StepInput] = field(default_factory=dict)  # module -> what it prepared
     planned: PlannedStep | None = None  # filled once batch ``step + L`` has entered
-    ready: Any = None  # an event after the stage's device work on the batch (the hand-over)
+    # An event after the stage's device work on the batch and, once planned, on its plan (the
+    # step's slots): what the trainer's stream waits for at the hand-over.
+    ready: Any = None
 
 
 @runtime_checkable

@@ -23,19 +23,10 @@ from torchrec_lookahead.variable_batch import padded_lookup
 __all__ = ["CacheTable"]
 
 
-def _as_index(ids: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``ids`` as an index tensor on ``device`` (to a GPU through pinned memory, so the
-    copy does not block the thread that queues it)."""
-    index = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-    if device.type == "cpu":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
-
-
-def _copy_into(targets: list[tuple[torch.Tensor, torch.Tensor]], slots: torch.Tensor) -> None:
-    """Each ``(cached, rows)``: ``rows`` into ``cached`` at ``slots`` (on its device)."""
-    for cached, rows in targets:
-        cached.index_copy_(0, slots, rows.to(cached.device, non_blocking=True))
+def _host_index(ids: np.ndarray) -> torch.Tensor:
+    """``ids`` as an index tensor in host memory (moved to a device by ``streams.to_device``,
+    on the stream that reads it)."""
+    return streams.host_side(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)))
 
 
 class CacheTable:
@@ -107,7 +98,12 @@ class CacheTable:
                 else []
             )
             self._states = [[s.data for s in pool] for pool in states] or [[] for _ in slots]
-            self.slot_ids = [torch.full((n,), -1, dtype=torch.int64) for n in slots]
+            self.slot_ids = [
+                streams.host_side(torch.full((n,), -1, dtype=torch.int64)) for n in slots
+            ]
+            # The TBE was made on the calling thread's stream (the stage's, at a window's
+            # first batch): rows move into it on the side stream only after it is made.
+            self._side.wait_for(streams.mark(self.device))
 
     def state_shapes(self) -> list[list[torch.Size]]:
         """Per table, the per-row shape of each optimizer state tensor (its pool's)."""
@@ -148,13 +144,16 @@ class CacheTable:
 
     def write_back_all(self) -> None:
         """Write every occupied slot back to the store; the rows stay cached. Called on the
-        trainer's thread: the reads wait for its updates and for every move queued."""
+        trainer's thread: the reads wait for its updates and for every move queued, and
+        the trainer's stream then waits for the writes (a store on the device, under DMP
+        on CUDA, is written on the side stream)."""
         with self._lock:
             self._side.wait_for(streams.mark(self.device))
             for p, ids in enumerate(self.slot_ids):
                 slots = torch.nonzero(ids >= 0).flatten()
                 if len(slots):
-                    self._copy_out(p, ids[slots].numpy(), slots)
+                    self._copy_out(p, ids[slots].numpy(), streams.host_side(slots))
+            self._side.current_waits(self._side.record())
 
     def clear(self) -> None:
         """Forget every cached row (write them back first if they were updated)."""
@@ -171,51 +170,42 @@ class CacheTable:
             for p, ids in enumerate(self.slot_ids):
                 slots = torch.nonzero(ids >= 0).flatten()
                 if len(slots):
-                    weights, rows = self._gather(p, ids[slots].numpy())
-                    targets = [(self._weights[p], weights)]
-                    if states:
-                        targets += list(zip(self._states[p], rows))
-                    self._side.run(partial(_copy_into, targets, slots.to(self.device)))
+                    land = partial(self._land, p, ids[slots].numpy(), streams.host_side(slots))
+                    self._side.run(partial(land, states))
             self._side.current_waits(self._side.record())
 
     # The moves below hold the lock (taken by the public methods above).
 
     def _write_back(self, pool: int, ids: np.ndarray, slots: np.ndarray) -> None:
-        slot_index = _as_index(slots, torch.device("cpu"))
+        slot_index = _host_index(slots)
         self._copy_out(pool, ids, slot_index)
         self.slot_ids[pool][slot_index] = -1
 
     def _copy_out(self, pool: int, ids: np.ndarray, slots: torch.Tensor) -> None:
-        """The rows in ``slots`` to the store: read on the side stream, after every move
-        queued before (a fetch into these slots may not have landed yet), into host
-        memory (pinned staging on a GPU); then written into the store by the host."""
-        on_device = slots.to(self.device)
+        """The rows in ``slots`` (a host index) to the store: read on the side stream,
+        after every move queued before (a fetch into these slots may not have landed yet),
+        into host memory (pinned staging on a GPU); then written into the store by the
+        host, or, for a store on the device, on the side stream."""
         tensors = (self._weights[pool], *self._states[pool])
         cpu = torch.device("cpu")
-        staged = None
-        if self.device.type != "cpu":
-            staged = [self.store.staging_rows(len(slots), t, cpu) for t in tensors]
-        rows: list[torch.Tensor] = []
+        staged = [self.store.staging_rows(len(slots), t, cpu) for t in tensors]
 
         def read() -> None:
-            picked = [t.index_select(0, on_device) for t in tensors]
-            if staged is None:
-                rows.extend(picked)
-                return
-            for host, device_rows in zip(staged, picked):
-                host.copy_(device_rows, non_blocking=True)
-            rows.extend(staged)
+            index = streams.to_device(slots, self.device)
+            for host, cached in zip(staged, tensors):
+                if cached.device.type == "cpu":
+                    torch.index_select(cached, 0, index, out=host)
+                else:
+                    host.copy_(cached.index_select(0, index), non_blocking=True)
 
         self._side.run(read)
         self._side.drain()  # the rows are in host memory now
         store, parts = self._store_parts(pool, ids)
-        for table, local, positions in parts:
-            if len(positions) == len(ids):
-                part = rows
-            else:
-                where = _as_index(positions, torch.device("cpu"))
-                part = [r.index_select(0, where) for r in rows]
-            store.scatter(table, _as_index(local, torch.device("cpu")), part[0], part[1:])
+        write = partial(_scatter, store, parts, staged)
+        if self.store.on_device:
+            self._side.run(write)
+        else:
+            write()
 
     def _store_parts(
         self, pool: int, ids: np.ndarray
@@ -230,28 +220,58 @@ class CacheTable:
         return self.store, list(self.pools[pool].by_table(ids))
 
     def _gather(self, pool: int, ids: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Rows ``ids`` of a pool from the store, in order: weights and optimizer state."""
+        """Rows ``ids`` of a pool from the store, in order: weights and optimizer state, in
+        buffers where the store keeps them (host memory, pinned on a GPU; the device, for
+        a store there). A pool of several tables gathers per table into one buffer."""
         store, parts = self._store_parts(pool, ids)
-        if len(parts) == 1:
-            table, local, _ = parts[0]
-            return store.gather(table, _as_index(local, torch.device("cpu")))
-        weights = self.store.staging_rows(len(ids), self._weights[pool])
-        states = [self.store.staging_rows(len(ids), s) for s in self._states[pool]]
-        for table, local, positions in parts:
-            where = _as_index(positions, torch.device("cpu"))
-            got, got_states = store.gather(table, _as_index(local, torch.device("cpu")))
+        gathered = [
+            (positions, *store.gather(table, _host_index(local)))
+            for table, local, positions in parts
+        ]
+        if len(gathered) == 1:
+            return gathered[0][1], gathered[0][2]
+        _, first, first_states = gathered[0]
+        weights = store.staging_rows(len(ids), first)
+        states = [store.staging_rows(len(ids), s) for s in first_states]
+        for positions, got, got_states in gathered:
+            where = streams.to_device(_host_index(positions), got.device)
             weights.index_copy_(0, where, got)
             for dst, src in zip(states, got_states):
                 dst.index_copy_(0, where, src)
         return weights, states
 
     def _fetch(self, pool: int, ids: np.ndarray, slots: np.ndarray) -> None:
-        """Rows ``ids`` into ``slots``: read from the store now, landed on the side stream."""
-        weights, states = self._gather(pool, ids)
-        slot_index = _as_index(slots, self.device)
+        """Rows ``ids`` into ``slots``, landed on the side stream (see :meth:`_land`)."""
+        slot_index = _host_index(slots)
+        self._side.run(partial(self._land, pool, ids, slot_index, True))
+        self.slot_ids[pool][slot_index] = _host_index(ids)
 
-        targets = [(self._weights[pool], weights), *zip(self._states[pool], states)]
-        self._side.run(partial(_copy_into, targets, slot_index))
-        self.slot_ids[pool][_as_index(slots, torch.device("cpu"))] = _as_index(
-            ids, torch.device("cpu")
-        )
+    def _land(self, pool: int, ids: np.ndarray, slots: torch.Tensor, states: bool) -> None:
+        """Rows ``ids`` of a pool from the store into cache ``slots`` (a host index): their
+        weights, and their optimizer state when ``states``. Run on the side stream, so that
+        every device operation of the move is ordered there: the gather from a store on
+        the device, the copies of the slot index and of the rows to the device, and the
+        row copies into the cache (a copy made on the trainer's stream and read here would
+        race with it, and its memory could be handed out again too early)."""
+        weights, rows = self._gather(pool, ids)
+        index = streams.to_device(slots, self.device)
+        targets = [(self._weights[pool], weights)]
+        if states:
+            targets += list(zip(self._states[pool], rows))
+        for cached, got in targets:
+            cached.index_copy_(0, index, streams.to_device(got, cached.device))
+
+
+def _scatter(
+    store: HostStore,
+    parts: list[tuple[int, np.ndarray, np.ndarray]],
+    rows: list[torch.Tensor],
+) -> None:
+    """``rows`` (weights, then optimizer state; one per id of ``parts``) into ``store``."""
+    count = sum(len(positions) for _, _, positions in parts)
+    for table, local, positions in parts:
+        part = rows
+        if len(positions) != count:
+            where = _host_index(positions)
+            part = [r.index_select(0, where) for r in rows]
+        store.scatter(table, _host_index(local), part[0], part[1:])

@@ -24,6 +24,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import torchrec_lookahead.streams as streams
 from torchrec_lookahead.cache.pools import slot_pools
 from torchrec_lookahead.cache.table import CacheTable
 from torchrec_lookahead.checks import check_feature_ids
@@ -312,7 +313,7 @@ class CachedTables:
             slots = np.empty(sum(len(plan.slots) for plan in ready), dtype=np.int64)
             for where, plan in zip(positions, ready):
                 slots[where] = plan.slots
-        step_slots = torch.from_numpy(slots).to(self.cache.device)
+        step_slots = streams.to_device(torch.from_numpy(slots), self.cache.device)
         order = self._table_order
         fetched = np.concatenate([pool.table_counts(plan.fetch_ids)
                                   for pool, plan in zip(self.pools, ready)])[order]  # fmt: skip

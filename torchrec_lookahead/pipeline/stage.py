@@ -53,6 +53,9 @@ class StageItem:
     planned: list[PlannedStep] = field(default_factory=list)  # steps planned on entry
     error: BaseException | None = None  # ValueError: the batch was refused, else the stage died
     end: bool = False  # the data ended (``planned`` holds the last steps)
+    # An event after the stage's device work for this item: its batch and the slots of the
+    # steps it planned (a step's hand-over waits for the item that completed its plan).
+    ready: Any = None
 
 
 class LookaheadStage:
@@ -81,7 +84,7 @@ class LookaheadStage:
         self._features = dict(features)
         self._device = device
         self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=check_count("depth", depth, 1))
-        self._lane = streams.SideStream(device)  # the stage's own stream (none on the CPU)
+        self._lane = streams.new_stream(device, "stage")  # its own stream (none on the CPU)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._iter: Iterator[Any] | None = None
@@ -114,17 +117,14 @@ class LookaheadStage:
                     raise RuntimeError("the lookahead stage stopped without a word") from None
 
     def hand_over(self, context: StepContext) -> None:
-        """Give the trainer ``context``'s batch: its stream waits for the stage's work on
-        it, and the batch's tensors (and a sharded module's distributed input) are marked
-        as used on it, so the caching allocator does not reuse their memory early."""
+        """Give the trainer ``context``'s step: its stream waits for the stage's work on
+        the batch, and every tensor of the context is marked as used on it (the batch,
+        what the modules prepared -- a sharded module's distributed input, hot rows --
+        and the step's slots: all made on the stage's stream, all read by the step), so
+        the caching allocator does not hand their memory out again while the trainer
+        may still read it."""
         self._lane.current_waits(context.ready)
-        if self._device.type == "cpu":  # one stream: nothing to mark (no record_stream)
-            return
-        current = torch.get_device_module(self._device).current_stream(self._device)
-        for value in (context.batch, *(i.distributed for i in context.inputs.values())):
-            for part in value if isinstance(value, tuple) else (value,):
-                if hasattr(part, "record_stream"):
-                    part.record_stream(current)
+        streams.record_use(context, self._device)
 
     def close(self) -> None:
         """Stop the thread (idempotent). A thread blocked inside the loader or a collective
@@ -166,8 +166,9 @@ class LookaheadStage:
                 if refusal is None:
                     batch = batch.to(self._device, non_blocking=True)
                 item = self._enter(batch, refusal)
+            item.ready = self._lane.record()
             if item.context is not None:
-                item.context.ready = self._lane.record()
+                item.context.ready = item.ready
             return item
         except ValueError as refused:
             return StageItem(error=refused)
@@ -194,8 +195,10 @@ class LookaheadStage:
         start = time.thread_time()
         distributing = self._input_dist_s()
         item = StageItem(end=True)
-        for module in self._modules:
-            item.planned.extend(module.finish())
+        with self._lane.context():  # the last steps' slots, made on the stage's stream too
+            for module in self._modules:
+                item.planned.extend(module.finish())
+        item.ready = self._lane.record()
         self._account(start, distributing)
         return item
 

@@ -200,6 +200,9 @@ class LookaheadTrainPipeline(TrainPipeline):
                         context.planned = planned
                     else:
                         context.planned.merge(planned)
+                    # The step's slots were made on the stage's stream with this item: the
+                    # step's hand-over waits for it (a later event than its batch's own).
+                    context.ready = item.ready
                 if item.end:
                     self._data_done = True
         finally:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+import torchrec_lookahead.streams as streams
 from torchrec_lookahead.oracle.kernels import ROW_FIELDS
 from torchrec_lookahead.store.files import StoreFiles
 
@@ -29,7 +30,9 @@ class HostStore:
     can be async while the tables themselves stay pageable (pinning whole tables
     would copy each into page-locked memory, rounded up by the caching host
     allocator). Under DMP on CUDA the store is FBGEMM's UVM TBE: its tensors
-    are CUDA tensors, and rows are gathered and scattered on their device.
+    are CUDA tensors (:attr:`on_device`), rows are gathered and scattered on
+    their device, on the caller's current stream, and host rows reach it through
+    pinned staging too.
     """
 
     reads_ahead = False  # whether read_ahead does anything (callers skip finding rows if not)
@@ -40,9 +43,18 @@ class HostStore:
         pin: bool = False,
         states: Sequence[Sequence[torch.Tensor]] | None = None,
     ) -> None:
-        self.weights = [w.detach() for w in weights]
-        self.states = [[s.detach() for s in table] for table in states or [[]] * len(weights)]
-        self._pin = pin
+        self.weights = [streams.host_side(w.detach()) for w in weights]
+        self.states = [
+            [streams.host_side(s.detach()) for s in table]
+            for table in states or [[]] * len(weights)
+        ]
+        self._pin = pin or self.on_device  # rows to and from a GPU go through pinned staging
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the tables are device memory (FBGEMM's UVM TBE under DMP on CUDA):
+        their rows are then read and written by the device, on a stream."""
+        return bool(self.weights) and self.weights[0].device.type not in ("cpu", "meta")
 
     def read_ahead(self, rows: Sequence[tuple[int, np.ndarray]]) -> None:
         """``(table, ids)``: rows to be gathered soon (a hint; host memory needs none)."""
@@ -58,7 +70,10 @@ class HostStore:
     def allocate_states(self, shapes: Sequence[Sequence[torch.Size]]) -> None:
         """Zero optimizer state per table; ``shapes[t]`` are its per-row state shapes."""
         self.states = [
-            [self._zeros(t, k, (len(w), *shape)) for k, shape in enumerate(table_shapes)]
+            [
+                streams.host_side(self._zeros(t, k, (len(w), *shape)))
+                for k, shape in enumerate(table_shapes)
+            ]
             for t, (w, table_shapes) in enumerate(zip(self.weights, shapes))
         ]
 
@@ -80,11 +95,12 @@ class HostStore:
         (default: ``like``'s), pinned if the store is and the buffer is host memory."""
         device = device or like.device
         pin = self._pin and device.type == "cpu"
-        return torch.empty((count, *like.shape[1:]), dtype=like.dtype, device=device,
-                           pin_memory=pin)  # fmt: skip
+        shape = (count, *like.shape[1:])
+        buffer = torch.empty(shape, dtype=like.dtype, device=device, pin_memory=pin)
+        return streams.host_side(buffer) if device.type == "cpu" else buffer
 
     def _rows(self, source: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        index = ids.to(source.device, non_blocking=True)
+        index = streams.to_device(ids, source.device)
         return torch.index_select(source, 0, index, out=self.staging_rows(len(ids), source))
 
     def joined(self, tables: Sequence[int]) -> HostStore | None:
@@ -106,9 +122,11 @@ class HostStore:
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, states: Sequence[torch.Tensor]
     ) -> None:
         """Overwrite rows ``ids`` of ``table`` with ``weights`` and optimizer ``states``
-        (each moved to its tensor's device first)."""
+        (each moved to its tensor's device first: from host memory through pinned memory,
+        without blocking, on the caller's current stream)."""
         for dst, src in zip((self.weights[table], *self.states[table]), (weights, *states)):
-            dst.index_copy_(0, ids.to(dst.device), src.to(dst.device))
+            index = streams.to_device(ids, dst.device)
+            dst.index_copy_(0, index, streams.to_device(src, dst.device))
 
     def bytes_per_row(self, table: int) -> int:
         row = self.weights[table][0].numel() + sum(s[0].numel() for s in self.states[table])

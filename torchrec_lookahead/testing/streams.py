@@ -20,14 +20,14 @@ import torch
 
 import torchrec_lookahead.streams as streams
 
-__all__ = ["DeferredSideStream", "use_deferred_side_streams"]
+__all__ = ["DeferredSideStream", "DeferredStreams", "use_deferred_side_streams"]
 
 
 class DeferredSideStream(streams.SideStream):
     """A side stream whose work waits in a queue until something waits for it."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = streams.normalize(device)
         self._queue: list[Callable[[], None]] = []
         self._done = 0  # work items done, in order
         self._lock = threading.RLock()
@@ -64,16 +64,15 @@ class DeferredSideStream(streams.SideStream):
                 work()
 
 
+class DeferredStreams(streams.StreamBackend):
+    """torch's streams, except that side streams defer their work (the stage's do not)."""
+
+    def make(self, device: torch.device, role: str) -> streams.SideStream:
+        return DeferredSideStream(device) if role == "side" else super().make(device, role)
+
+
 @contextmanager
 def use_deferred_side_streams() -> Iterator[None]:
     """Side streams made inside this block defer their work (see the module)."""
-    saved = dict(streams._STREAMS)
-    streams._STREAMS.clear()
-    original = streams._MAKE
-    streams._MAKE = DeferredSideStream
-    try:
+    with streams.use_backend(DeferredStreams()):
         yield
-    finally:
-        streams._MAKE = original
-        streams._STREAMS.clear()
-        streams._STREAMS.update(saved)

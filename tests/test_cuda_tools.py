@@ -1,0 +1,119 @@
+"""The tools that check the CUDA path on the CPU catch what they are for (and nothing else).
+
+``StreamChecker`` (``torchrec_lookahead.testing.stream_check``) must fail on a read or
+write across streams with no event wait, and on a free while another stream may still
+use the memory, and pass the same code once ordered; ``FakeCuda``
+(``torchrec_lookahead.testing.fake_cuda``) must keep host tensors real, device tensors
+fake with real values behind them, and refuse device mismatches as a GPU does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchrec_lookahead.streams as streams
+from torchrec_lookahead._compat import is_fake
+from torchrec_lookahead.testing.fake_cuda import FakeCuda
+from torchrec_lookahead.testing.stream_check import StreamChecker, StreamError
+
+CUDA = torch.device("cuda", 0)
+
+
+def test_a_read_on_another_stream_needs_an_event_wait() -> None:
+    with pytest.raises(
+        StreamError,
+        match="read on the side stream by aten.sum.* written on "
+        "the trainer's stream .* no event wait",
+    ):
+        with StreamChecker("cpu"):
+            made = torch.zeros(4) + 1  # on the trainer's stream
+            streams.side_stream("cpu").run(lambda: made.sum())
+    with StreamChecker("cpu") as checker:
+        made = torch.zeros(4) + 1
+        side = streams.side_stream("cpu")
+        side.wait_for(streams.mark("cpu"))
+        side.run(lambda: made.sum())
+    assert checker.errors == [] and checker.operators >= 2
+
+
+def test_a_write_while_another_stream_may_still_read_is_reported() -> None:
+    with pytest.raises(
+        StreamError,
+        match="written on the trainer's stream .* while the side stream may still read it",
+    ):
+        with StreamChecker("cpu"):
+            side = streams.side_stream("cpu")
+            made = torch.zeros(4) + 1
+            side.wait_for(streams.mark("cpu"))
+            side.run(lambda: made.sum())
+            made.add_(1)  # the trainer's stream never waited for the side stream's read
+
+
+def test_memory_used_on_another_stream_is_recorded_there_before_it_is_freed() -> None:
+    def used_elsewhere(record: bool) -> None:
+        side, held = streams.side_stream("cpu"), []
+        side.run(lambda: held.append(torch.ones(4) * 2))  # made on the side stream
+        side.current_waits(side.record())
+        held[0].sum()  # used on the trainer's stream
+        if record:
+            streams.record_use(held, "cpu")
+        held.clear()  # freed: its memory goes back to the side stream
+
+    with pytest.raises(StreamError, match="freed while the trainer's stream .* may still use it"):
+        with StreamChecker("cpu"):
+            used_elsewhere(record=False)
+    with StreamChecker("cpu") as checker:
+        used_elsewhere(record=True)
+    assert checker.errors == []
+
+
+def test_rows_are_followed_one_by_one_for_index_operators() -> None:
+    with StreamChecker("cpu") as checker:
+        table = torch.zeros(8, 2) + 0  # on the trainer's stream
+        side = streams.side_stream("cpu")
+        side.wait_for(streams.mark("cpu"))
+        side.run(lambda: table.index_copy_(0, torch.tensor([1, 2]), torch.ones(2, 2)))
+        table.index_select(0, torch.tensor([5, 6]))  # other rows: nothing to wait for
+        assert checker.errors == []
+        table.index_select(0, torch.tensor([2]))  # a row the side stream wrote
+        assert len(checker.errors) == 1 and "(row at 4)" in checker.errors[0]
+        checker.errors.clear()
+
+
+def test_host_memory_is_left_to_the_host() -> None:
+    with StreamChecker("cpu") as checker:
+        host = streams.host_side(torch.zeros(4) + 1)
+        streams.side_stream("cpu").run(lambda: host.add_(1))
+        host.sum()
+    assert checker.errors == [] and checker.operators > 0
+
+
+def test_fake_cuda_keeps_the_host_real_and_the_device_fake_with_real_values() -> None:
+    with FakeCuda(CUDA) as fake:
+        host = torch.arange(6.0)
+        device = host.to("cuda")
+        assert is_fake(device) and device.device == CUDA and not is_fake(host)
+        assert torch.equal(device.cpu(), host) and not is_fake(device.cpu())
+        assert device[2:4].tolist() == [2.0, 3.0] and device.sum().item() == 15.0
+        assert torch.equal(fake.real(torch.nonzero(device > 3)), torch.tensor([[4], [5]]))
+        with pytest.raises(RuntimeError, match="expected to be in the same device"):
+            device.index_copy_(0, torch.tensor([0]), torch.ones(1))
+        pinned = torch.ones(2).pin_memory()
+        assert pinned.is_pinned() and not torch.ones(2).is_pinned()
+        fake.transfers.clear()
+        torch.ones(2).to("cuda", non_blocking=True)
+        pinned.to("cuda", non_blocking=True)
+        assert [t.blocking for t in fake.transfers] == [True, False]
+        with pytest.raises(RuntimeError, match="torch.no_grad"):
+            torch.ones(2, requires_grad=True).to("cuda")
+
+
+def test_fake_cuda_draws_random_fills_and_makes_unified_memory_on_the_shadow() -> None:
+    with FakeCuda(CUDA) as fake:
+        filled = torch.empty(64, device="cuda").uniform_(2.0, 3.0)
+        values = fake.real(filled)
+        assert is_fake(filled) and bool(((values >= 2.0) & (values < 3.0)).all())
+        like = torch.zeros(1, device="cuda")
+        unified = torch.ops.fbgemm.new_unified_tensor(like, [5, 2], False)
+        assert is_fake(unified) and unified.shape == (5, 2) and unified.device == CUDA

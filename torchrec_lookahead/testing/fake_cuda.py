@@ -1,0 +1,517 @@
+"""Fake CUDA tensors with real data behind them, for checking the CUDA path on a CPU build.
+
+torch's ``FakeTensorMode`` makes CUDA tensors without CUDA: they carry shape,
+dtype and device but no data, and operators check their devices as they do on
+a GPU (a CUDA table indexed with a CPU index raises). A whole training step
+also needs data, though: the stage reads a batch's ids back from the device to
+plan it, FBGEMM reads counters with ``.item()``. :class:`FakeCuda` gives every
+fake CUDA tensor a *shadow*, real memory on the CPU that each operator also
+runs on, and keeps the host side real:
+
+* an operator on CPU tensors only runs for real, as it would on the host;
+* an operator that touches a CUDA tensor runs twice: under ``FakeTensorMode``
+  (the device checks, the output's metadata) and on the shadows (the values);
+  what it returns on the CPU (``.cpu()``, ``.item()``) is the real result;
+* page-locked memory is emulated (a CPU build has none): ``pin_memory`` and
+  ``is_pinned`` work, so the copies between host and device can be told apart
+  (:attr:`FakeCuda.transfers`: pinned or pageable, blocking or not);
+* indexing a CUDA tensor from Python (``t[1:3]``), which torch's CPU build
+  refuses before any operator runs, is rewritten into the operators it stands
+  for (so are ``.to``, ``.cuda``, ``.cpu`` and ``nonzero``); ``tolist`` reads
+  the shadow;
+* random fills of a CUDA tensor draw on the shadow (a CPU build has no CUDA
+  generator), and FBGEMM's unified-memory tensors (UVM) are device memory of
+  the size asked for (their meta kernel makes an empty one).
+
+FBGEMM's training kernels (``split_embedding_*``) do not run on the shadows:
+the CPU kernels read a CPU table layout, and a CUDA table is laid out for the
+GPU. Their outputs' shadows are zero, and the kernels that a CPU build of
+FBGEMM ships without a fake kernel get one here (:data:`STUBBED`). Autograd
+cannot record fake CUDA tensors on a CPU build (the process aborts: autograd
+asks the missing CUDA device guard for the current stream), so an operator
+that would record one raises instead; steps run forward-only
+(``torch.no_grad()``).
+
+Private torch names live in :mod:`torchrec_lookahead._compat`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from torchrec_lookahead._compat import (
+    DATA_DEPENDENT,
+    PIN_MEMORY,
+    TO_COPY,
+    UNIQUE,
+    DispatchMode,
+    fake_cuda_tensors,
+    is_fake,
+    op_schema,
+    real_tensors,
+)
+from torchrec_lookahead.testing.threads import in_new_threads
+
+__all__ = ["STUBBED", "FakeCuda", "Transfer"]
+
+aten = torch.ops.aten
+
+# FBGEMM operators without a fake kernel in a CPU build of FBGEMM (they have CPU
+# kernels only), given one here: the TBE's pooled forward, unweighted and weighted.
+STUBBED = (
+    "fbgemm::split_embedding_codegen_forward_unweighted_pt2_wrapper",
+    "fbgemm::split_embedding_codegen_forward_weighted_pt2_wrapper",
+)
+_STUBS_REGISTERED: list[Any] = []  # the torch.library fragment holding them (once per process)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A copy between host memory and the device."""
+
+    to_device: bool  # host to device (else device to host)
+    pinned: bool  # the host side is page-locked
+    non_blocking: bool
+    thread: str
+
+    @property
+    def blocking(self) -> bool:
+        """Whether the host waits for it: a copy from or to pageable memory, or one not
+        asked to be asynchronous."""
+        return not (self.pinned and self.non_blocking)
+
+
+class FakeCuda:
+    """A block in which ``device`` (``cuda:0``) tensors are fake, with real shadows.
+
+    Use as a context manager; threads started inside the block use it too. The
+    tensors made inside must not outlive it.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda:0") -> None:
+        self.device = torch.device(device)
+        self.transfers: list[Transfer] = []
+        self._fake = fake_cuda_tensors()
+        self._lock = threading.RLock()  # one fake mode, used by every thread: one at a time
+        self._shadows: dict[int, torch.Tensor] = {}  # id(fake storage) -> its bytes, real
+        self._pinned: set[int] = set()  # id(storage) of emulated page-locked host memory
+        self._active = False
+        self._modes: list[Any] = []  # (thread, mode) entered by this object, to exit
+        self._threads: Any = None
+
+    # ------------------------------------------------------------ the block
+
+    def __enter__(self) -> FakeCuda:
+        _register_stubs()
+        self._active = True
+        self._enter_thread()
+        self._threads = in_new_threads(self._enter_thread)
+        self._threads.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._active = False
+        self._threads.__exit__(None, None, None)
+        mine = threading.get_ident()
+        with self._lock:
+            for thread, mode in reversed(self._modes):
+                if thread == mine:
+                    mode.__exit__(None, None, None)
+            self._modes.clear()
+
+    def _enter_thread(self) -> None:
+        """Route this thread's operators through the block (its modes are thread-local).
+        The fake tensor mode stays entered below ours: torch skips initialising CUDA for
+        a device argument only while one is (a CPU build has no CUDA to initialise)."""
+        with self._lock:
+            for mode in (self._fake, _Dispatch(self), _Functions(self)):
+                mode.__enter__()
+                self._modes.append((threading.get_ident(), mode))
+
+    # ------------------------------------------------------------ shadows
+
+    def real(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The real values of a fake tensor (its shadow, a view of real CPU memory)."""
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        buffer = self._shadows.get(key)
+        if buffer is None:
+            with self._lock, real_tensors():
+                buffer = self._shadows.get(key)
+                if buffer is None:
+                    buffer = torch.zeros(storage.nbytes(), dtype=torch.uint8)
+                    self._shadows[key] = buffer
+                    weakref.finalize(storage, self._shadows.pop, key, None)
+        with real_tensors():
+            return buffer.view(tensor.dtype).as_strided(
+                tensor.shape, tensor.stride(), tensor.storage_offset()
+            )
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is (emulated) page-locked host memory."""
+        return not is_fake(tensor) and id(tensor.untyped_storage()) in self._pinned
+
+    def _pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self._pinned.add(id(storage))
+        weakref.finalize(storage, self._pinned.discard, id(storage))
+        return tensor
+
+    # ------------------------------------------------------------ operators
+
+    def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run one operator: for real on the host, fake and on shadows on the device."""
+        leaves = list(_leaves((args, kwargs)))
+        fakes = [leaf for leaf in leaves if is_fake(leaf)]
+        device = kwargs.get("device")
+        onto = device is not None and torch.device(device).type == self.device.type
+        if not fakes and not onto:
+            return self._host(func, args, kwargs)
+        if func is aten.record_stream.default:
+            return None  # no caching allocator here; a stream checker sees these calls
+        if func in _UNIFIED:  # FBGEMM's UVM: memory of the device (its meta kernel is empty)
+            like, sizes = args[0], args[1]
+            with self._lock:
+                return torch.empty(sizes, dtype=like.dtype, device=self.device)
+        self._note_transfer(func, args, kwargs, onto)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        recorded = func is not aten.detach.default and any(t.requires_grad for t in tensors)
+        if recorded and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{func} would record fake CUDA tensors for autograd, which aborts a CPU build "
+                "of torch (it has no CUDA device guard): run fake CUDA steps under "
+                "torch.no_grad()"
+            )
+        dependent, fake_out = func in _SHAPE_FROM_DATA, None
+        if func in _RANDOM_IN_PLACE:  # a CPU build has no CUDA generator: the shadow draws
+            fake_out = args[0]
+        elif not dependent:
+            with self._lock:  # the fake mode (entered below this one) is not thread-safe
+                try:
+                    fake_out = func(*args, **kwargs)
+                except DATA_DEPENDENT:
+                    dependent = True
+        real_out = None if _no_real_run(func) else self._on_shadows(func, args, kwargs)
+        if dependent:
+            return _map(real_out, self._adopt)
+        return _map2(fake_out, real_out, self._pair)
+
+    def _host(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A host operator, for real; page-locked memory emulated."""
+        if func is aten.is_pinned.default:
+            return self.is_pinned(args[0])
+        with real_tensors():
+            if func is PIN_MEMORY:
+                return self._pin(args[0].clone())
+            if kwargs.get("pin_memory"):
+                return self._pin(func(*args, **{**kwargs, "pin_memory": False}))
+            return func(*args, **kwargs)
+
+    def _on_shadows(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` on the shadows (the device's tensors replaced by their real values)."""
+
+        def real(value: Any) -> Any:
+            if is_fake(value):
+                return self.real(value)
+            if isinstance(value, torch.device) and value.type == self.device.type:
+                return torch.device("cpu")
+            return value
+
+        real_args = _map(args, real)
+        real_kwargs = {key: _map(value, real) for key, value in kwargs.items()}
+        if "device" in real_kwargs and real_kwargs["device"] is not None:
+            if torch.device(real_kwargs["device"]).type == self.device.type:
+                real_kwargs["device"] = torch.device("cpu")
+        real_kwargs.pop("pin_memory", None)
+        with real_tensors():
+            return func(*real_args, **real_kwargs)
+
+    def _pair(self, fake: Any, real: Any) -> Any:
+        """An output: a device tensor stays fake (its shadow filled if new); a host one is
+        the real result."""
+        if not isinstance(fake, torch.Tensor):
+            return fake
+        if fake.device.type == self.device.type:
+            if id(fake.untyped_storage()) not in self._shadows and isinstance(real, torch.Tensor):
+                shadow = self.real(fake)
+                with real_tensors():
+                    shadow.copy_(real)
+            return fake
+        if not isinstance(real, torch.Tensor):
+            raise RuntimeError("a host tensor came out of an operator that did not run")
+        return real
+
+    def _adopt(self, real: Any) -> Any:
+        """An output whose shape depends on the data (``nonzero``, ``.item()``): made from
+        the real result, on the device."""
+        if not isinstance(real, torch.Tensor):
+            return real
+        with self._lock:
+            fake = torch.empty_strided(
+                real.shape, real.stride(), dtype=real.dtype, device=self.device
+            )
+        with real_tensors():
+            self.real(fake).copy_(real)
+        return fake
+
+    def _note_transfer(self, func: Any, args: tuple, kwargs: dict, onto: bool) -> None:
+        """Log a copy between host and device (see :class:`Transfer`)."""
+        thread = threading.current_thread().name
+        if func is TO_COPY:
+            source, non_blocking = args[0], bool(kwargs.get("non_blocking", False))
+            if onto and not is_fake(source):
+                self.transfers.append(Transfer(True, self.is_pinned(source), non_blocking, thread))
+            elif is_fake(source) and torch.device(kwargs.get("device") or "cpu").type == "cpu":
+                self.transfers.append(Transfer(False, False, non_blocking, thread))
+        elif func is aten.copy_.default:
+            target, source = args[0], args[1]
+            non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            if is_fake(target) and not is_fake(source) and source.device.type == "cpu":
+                self.transfers.append(Transfer(True, self.is_pinned(source), non_blocking, thread))
+            elif is_fake(source) and not is_fake(target):
+                self.transfers.append(Transfer(False, self.is_pinned(target), non_blocking, thread))
+
+    def blocking_transfers(self) -> list[Transfer]:
+        """The copies so far that made the host wait (see :attr:`Transfer.blocking`)."""
+        return [t for t in self.transfers if t.blocking]
+
+
+# Operators whose output shape depends on the data: made from the real result (the fake
+# tensor mode refuses them, some with an error of the CPU build's own).
+_SHAPE_FROM_DATA = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.repeat_interleave.Tensor,
+    UNIQUE,
+    aten.unique_consecutive.default,
+    aten.unique_dim.default,
+}
+
+
+# Random fills in place: their output is their input (the values come from the shadow).
+_RANDOM_IN_PLACE = {
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.bernoulli_.float,
+    aten.random_.default,
+    aten.random_.to,
+    aten.exponential_.default,
+}
+
+# FBGEMM's unified (UVM) tensors: device memory of the size asked for.
+_UNIFIED = {
+    torch.ops.fbgemm.new_unified_tensor.default,
+    torch.ops.fbgemm.new_managed_tensor.default,
+}
+
+
+def _no_real_run(func: Any) -> bool:
+    """FBGEMM's training kernels: a CUDA table's layout is not what their CPU kernels read."""
+    return func.namespace == "fbgemm" and "split_embedding" in func.name()
+
+
+class _Dispatch(DispatchMode):
+    """Every operator of the thread, through :meth:`FakeCuda.dispatch`."""
+
+    def __init__(self, owner: FakeCuda) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if not self.owner._active:
+            return func(*args, **kwargs)
+        return self.owner.dispatch(func, args, kwargs)
+
+
+class _Functions(TorchFunctionMode):
+    """Python indexing and ``tolist`` of device tensors, which a CPU build refuses before
+    dispatching (it asks the missing CUDA device guard first)."""
+
+    def __init__(self, owner: FakeCuda) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        owner = self.owner
+        if not owner._active or not args:
+            return func(*args, **kwargs)
+        if is_fake(args[0]):
+            if name == "__getitem__":
+                return _getitem(args[0], args[1])
+            if name == "__setitem__":
+                return _setitem(args[0], args[1], args[2])
+            if name == "tolist":
+                return owner.real(args[0]).tolist()
+            if name == "nonzero":
+                found = aten.nonzero.default(args[0])
+                return found.unbind(1) if kwargs.get("as_tuple") else found
+        if isinstance(args[0], torch.Tensor) and name in ("to", "cuda", "cpu"):
+            moved = _move(owner, args[0], name, args[1:], kwargs)
+            if moved is not None:
+                return moved
+        elif name in ("tensor", "as_tensor") and "device" in kwargs:
+            device = torch.device(kwargs["device"])
+            if device.type == owner.device.type:
+                host = func(*args, **{**kwargs, "device": "cpu"})
+                return TO_COPY(host, device=device)
+        return func(*args, **kwargs)
+
+
+def _move(
+    owner: FakeCuda, tensor: torch.Tensor, name: str, args: tuple, kwargs: dict
+) -> torch.Tensor | None:
+    """``Tensor.to`` (``.cuda``, ``.cpu``) where the device is involved, through operators
+    (a CPU build's binding asks the missing CUDA device guard first); else ``None``."""
+    device, dtype, non_blocking, copy = _to_arguments(name, args, kwargs)
+    fake = is_fake(tensor)
+    if not fake and (device is None or device.type != owner.device.type):
+        return None
+    if device is None or device.type == tensor.device.type:
+        if not copy and dtype in (None, tensor.dtype):
+            return tensor
+        return TO_COPY(tensor, dtype=dtype or tensor.dtype)
+    return TO_COPY(tensor, dtype=dtype or tensor.dtype, device=device, non_blocking=non_blocking)
+
+
+def _to_arguments(
+    name: str, args: tuple, kwargs: dict
+) -> tuple[torch.device | None, torch.dtype | None, bool, bool]:
+    """The device, dtype, ``non_blocking`` and ``copy`` of a ``Tensor.to`` (``.cuda``,
+    ``.cpu``) call."""
+    device: torch.device | None = None
+    if name != "to":
+        device = torch.device(name if name == "cpu" else "cuda")
+    dtype: torch.dtype | None = None
+    flags: list[bool] = []
+    for value in args:
+        if isinstance(value, bool):
+            flags.append(value)
+        elif isinstance(value, int):
+            device = torch.device("cuda", value)
+        elif isinstance(value, (torch.device, str)):
+            device = torch.device(value)
+        elif isinstance(value, torch.dtype):
+            dtype = value
+        elif isinstance(value, torch.Tensor):
+            device, dtype = value.device, value.dtype
+    non_blocking = bool(kwargs.get("non_blocking", flags[0] if flags else False))
+    copy = bool(kwargs.get("copy", flags[1] if len(flags) > 1 else False))
+    if kwargs.get("device") is not None:
+        device = torch.device(kwargs["device"])
+    if kwargs.get("dtype") is not None:
+        dtype = kwargs["dtype"]
+    return device, dtype, non_blocking, copy
+
+
+def _getitem(tensor: torch.Tensor, key: Any) -> torch.Tensor:
+    """``tensor[key]`` through operators: ints, slices, ``None``, ``...`` and one index
+    tensor (or list)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    explicit = sum(1 for k in keys if k is not None and k is not Ellipsis)
+    out, dim, advanced = tensor, 0, 0
+    for k in keys:
+        if k is Ellipsis:
+            dim += tensor.dim() - explicit
+        elif k is None:
+            out, dim = out.unsqueeze(dim), dim + 1
+        elif isinstance(k, bool):
+            raise NotImplementedError("indexing a fake CUDA tensor with a bool")
+        elif isinstance(k, int):
+            out = out.select(dim, k)
+        elif isinstance(k, slice):
+            start, stop, step = k.indices(out.shape[dim])
+            out, dim = aten.slice.Tensor(out, dim, start, max(start, stop), step), dim + 1
+        else:
+            index = (
+                k if isinstance(k, torch.Tensor) else TO_COPY(torch.tensor(k), device=tensor.device)
+            )
+            advanced += 1
+            if advanced > 1:
+                raise NotImplementedError("indexing a fake CUDA tensor with two index tensors")
+            out = aten.index.Tensor(out, [None] * dim + [index])
+            dim += index.dim() if index.dtype != torch.bool else 1
+    return out
+
+
+def _setitem(tensor: torch.Tensor, key: Any, value: Any) -> None:
+    """``tensor[key] = value`` through operators (keys as for :func:`_getitem`; an index
+    tensor only alone)."""
+    if isinstance(key, (torch.Tensor, list)):
+        index = (
+            key
+            if isinstance(key, torch.Tensor)
+            else TO_COPY(torch.tensor(key), device=tensor.device)
+        )
+        if not isinstance(value, torch.Tensor):
+            value = torch.full((), value, dtype=tensor.dtype, device=tensor.device)
+        aten.index_put_(tensor, [index], value)
+        return
+    view = _getitem(tensor, key)
+    if isinstance(value, torch.Tensor):
+        view.copy_(value)
+    else:
+        view.fill_(value)
+
+
+def _register_stubs() -> None:
+    """Fake kernels for :data:`STUBBED` (the pooled output ``[batch, total_D]``), once per
+    process: they only ever run on fake tensors."""
+    if _STUBS_REGISTERED:
+        return
+    library = torch.library.Library("fbgemm", "FRAGMENT")
+    for name in STUBBED:
+        schema = op_schema(getattr(torch.ops.fbgemm, name.split("::")[1]).default)
+        torch.library.register_fake(name, _pooled_forward(schema), lib=library)
+    _STUBS_REGISTERED.append(library)
+
+
+def _pooled_forward(schema: Any) -> Callable[..., torch.Tensor]:
+    names = [argument.name for argument in schema.arguments]
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        bound = {**dict(zip(names, args)), **kwargs}
+        features = bound["D_offsets"].numel() - 1
+        batch = (bound["offsets"].numel() - 1) // max(features, 1)
+        return bound["dev_weights"].new_empty((batch, bound["total_D"]))
+
+    return forward
+
+
+# ------------------------------------------------------------ nested values
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def _map(value: Any, fn: Callable[[Any], Any]) -> Any:
+    if isinstance(value, (list, tuple)):
+        mapped = [_map(item, fn) for item in value]
+        return mapped if isinstance(value, list) else type(value)(mapped)
+    return fn(value)
+
+
+def _map2(first: Any, second: Any, fn: Callable[[Any, Any], Any]) -> Any:
+    """``fn`` over the leaves of two values of one structure (``second`` may be ``None``)."""
+    if isinstance(first, (list, tuple)):
+        seconds = second if isinstance(second, (list, tuple)) else [None] * len(first)
+        mapped = [_map2(a, b, fn) for a, b in zip(first, seconds)]
+        return mapped if isinstance(first, list) else type(first)(mapped)
+    return fn(first, second)
