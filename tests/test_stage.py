@@ -166,3 +166,15 @@ def test_the_context_manager_closes_a_pipeline_left_mid_data(live_threads) -> No
         for _ in range(3):
             pipeline.progress(it)
     assert live_threads() == []
+
+
+def test_the_stage_runs_inline_on_cuda_unless_asked() -> None:
+    """N6: on NCCL every collective of a rank is issued by one thread (the stage's vote,
+    union and input all-to-all inline with the trainer's), in one order on every rank;
+    gloo runs concurrent groups safely, so the CPU keeps the stage's thread."""
+    from torchrec_lookahead.pipeline.train import stage_on_thread
+
+    assert stage_on_thread(torch.device("cpu")) is True
+    assert stage_on_thread(torch.device("cuda", 0)) is False
+    assert stage_on_thread(torch.device("cuda", 0), asked=True) is True
+    assert stage_on_thread(torch.device("cpu"), asked=False) is False

@@ -44,9 +44,11 @@ class LookaheadTrainPipeline(TrainPipeline):
     as many threads (:class:`~torchrec_lookahead.oracle.partitioned.PartitionedOracle`):
     worth it only with cores to spare; plans stay exact, misses change little.
 
-    ``stage_thread`` runs the stage on its own thread (``True``, the default), which
-    takes only the cycles the trainer leaves idle (see :mod:`~torchrec_lookahead.pipeline.stage`),
-    or inline on the trainer's (``False``).
+    ``stage_thread`` runs the stage on its own thread (``True``; the default on the
+    CPU), which takes only the cycles the trainer leaves idle (see
+    :mod:`~torchrec_lookahead.pipeline.stage`), or inline on the trainer's (``False``;
+    the default on CUDA, where NCCL wants each rank's collectives issued by one thread:
+    :func:`stage_on_thread`).
 
     The first ``progress`` binds the data iterator; the stage reads it until it
     ends. A batch that cannot be planned (malformed, see
@@ -67,7 +69,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         lookahead: int = 16,
         prefetch_distance: int = 1,
         planning_workers: int = 1,
-        stage_thread: bool = True,
+        stage_thread: bool | None = None,
     ) -> None:
         super().__init__()
         lookahead = check_count("lookahead", lookahead, 1)
@@ -86,7 +88,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         for module in self._cached:
             module.attach(window)
         self._stage = LookaheadStage(self._cached, _declared_features(model), device,
-                                     threaded=bool(stage_thread))  # fmt: skip
+                                     threaded=stage_on_thread(device, stage_thread))  # fmt: skip
         self._window: deque[StepContext] = deque()  # batches entered, not yet run
         self._entered = 0  # batches that entered the window
         self._next_step = 0  # the step progress() runs next
@@ -219,6 +221,17 @@ class LookaheadTrainPipeline(TrainPipeline):
             context = self._window[self._issued - self._next_step]
             self._executor.submit(self._issued, context.planned.moves if context.planned else [])
             self._issued += 1
+
+
+def stage_on_thread(device: torch.device, asked: bool | None = None) -> bool:
+    """Whether the stage runs on its own thread: as ``asked``, else on the CPU (gloo) but
+    not on CUDA. There the stage's collectives (the vote, the hot rows' union, the input
+    all-to-all) would run on one NCCL communicator while the trainer's (the output
+    all-to-all, DDP, the hot rows' sums) run on others, issued in another interleaving on
+    each rank: NCCL does not promise that such concurrent use progresses, gloo does (a
+    process group's ops run on its own connections). Inline, every collective of a rank is
+    issued by one thread, in the same order on every rank."""
+    return asked if asked is not None else device.type == "cpu"
 
 
 def _declared_features(model: torch.nn.Module) -> dict[str, bool]:
