@@ -178,3 +178,16 @@ def test_the_stage_runs_inline_on_cuda_unless_asked() -> None:
     assert stage_on_thread(torch.device("cuda", 0)) is False
     assert stage_on_thread(torch.device("cuda", 0), asked=True) is True
     assert stage_on_thread(torch.device("cpu"), asked=False) is False
+
+
+def test_a_window_checks_its_settings() -> None:
+    from torchrec_lookahead.settings import SettingTypeError
+    from torchrec_lookahead.types import Window
+
+    assert Window(4, 0).planning_workers == 1
+    with pytest.raises(ValueError, match="lookahead must be at least 1"):
+        Window(0, 1)
+    with pytest.raises(SettingTypeError, match="prefetch_distance must be an integer"):
+        Window(4, 1.5)
+    with pytest.raises(ValueError, match="planning_workers must be at least 1"):
+        Window(4, 1, 0)

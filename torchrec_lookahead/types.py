@@ -110,6 +110,11 @@ class Window:
     prefetch_distance: int
     planning_workers: int = 1
 
+    def __post_init__(self) -> None:  # the settings' names as the pipeline takes them
+        check_count("lookahead", self.lookahead, 1)
+        check_count("prefetch_distance", self.prefetch_distance, 0)
+        check_count("planning_workers", self.planning_workers, 1)
+
 
 @dataclass(frozen=True)
 class CacheSizing:
