@@ -19,7 +19,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-__all__ = ["training_tbe"]
+__all__ = ["set_learning_rate", "training_tbe"]
 
 _ACCEPTED = set(inspect.signature(SplitTableBatchedEmbeddingBagsCodegen).parameters)
 
@@ -54,3 +54,10 @@ def training_tbe(
         device=device,
         **{k: v for k, v in params.items() if k in _ACCEPTED},
     )
+
+
+def set_learning_rate(tbe: SplitTableBatchedEmbeddingBagsCodegen, rate: float) -> None:
+    """Give ``tbe``'s fused optimizer ``rate`` (a no-op when it has it: FBGEMM may copy the
+    rate to the device on every set)."""
+    if tbe.get_learning_rate() != rate:
+        tbe.set_learning_rate(rate)

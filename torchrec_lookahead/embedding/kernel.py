@@ -34,6 +34,7 @@ from torchrec_lookahead.embedding.hot import (
 )
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import ORACLE_ROW_BYTES, HostStore, MmapStore
+from torchrec_lookahead.tbe import set_learning_rate
 from torchrec_lookahead.types import CacheSizing
 from torchrec_lookahead.variable_batch import (
     tbe_batch_sizes,
@@ -132,9 +133,7 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.cached.step_running:
             # The fused optimizer's learning rate lives on the store TBE; keep the cache's in step.
-            lr = self.store_tbe.get_learning_rate()
-            if self.cached.cache.tbe.get_learning_rate() != lr:
-                self.cached.cache.tbe.set_learning_rate(lr)
+            set_learning_rate(self.cached.cache.tbe, self.store_tbe.get_learning_rate())
             weights = features.weights_or_none()
             # A deduplicated batch: its bags per feature and rank, and TorchRec's preallocated
             # output when several kernels of a lookup merge theirs (as its fused kernel gets them).

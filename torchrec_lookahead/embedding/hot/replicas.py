@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torchrec_lookahead.embedding.hot.layout import HotLayout, ReplicaGroup
 from torchrec_lookahead.embedding.hot.split import HotSplit
 from torchrec_lookahead.embedding.hot.sync import Union
-from torchrec_lookahead.tbe import training_tbe
+from torchrec_lookahead.tbe import set_learning_rate, training_tbe
 
 __all__ = ["ReplicaTables", "ShardReader"]
 
@@ -92,8 +92,7 @@ class ReplicaTables:
         self, g: int, group: ReplicaGroup, rows: torch.Tensor, grads: torch.Tensor, rate: float
     ) -> None:
         tbe = self.tbes[g]
-        if tbe.get_learning_rate() != rate:
-            tbe.set_learning_rate(rate)
+        set_learning_rate(tbe, rate)
         count = len(rows)
         offsets = torch.arange(count + 1, device=self.device)
         if group.shared:  # every bag under the first of two features, none under the other
