@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import threading
@@ -210,14 +211,52 @@ def test_capacity_error_names_the_steps_and_the_capacity_needed() -> None:
         oracle.push(np.array([3, 4, 5, 3]))
 
 
-@pytest.mark.parametrize(
-    "kwargs", [dict(capacity=0, lookahead=1), dict(capacity=1, lookahead=-1),
-               dict(capacity=1, lookahead=1, prefetch_distance=-1),
-               dict(capacity=1, lookahead=1, num_rows=0)]
-)  # fmt: skip
-def test_bad_settings_are_refused(kwargs) -> None:
-    with pytest.raises(ValueError):
-        OracleCacher(**kwargs)
+BAD_ORACLE_SETTINGS = [
+    ("capacity", 0),
+    ("capacity", math.nan),
+    ("capacity", 4.0),
+    ("capacity", True),
+    ("lookahead", -1),
+    ("lookahead", math.nan),
+    ("lookahead", math.inf),
+    ("lookahead", 2.5),
+    ("lookahead", 2.0),
+    ("lookahead", True),
+    ("lookahead", "2"),
+    ("lookahead", None),
+    ("prefetch_distance", -1),
+    ("prefetch_distance", math.inf),
+    ("prefetch_distance", 1.0),
+    ("num_rows", 0),
+    ("num_rows", math.nan),
+    ("num_rows", 10.0),
+    ("tie_break", None),
+    ("tie_break", "lru"),
+]
+
+
+@pytest.mark.parametrize("name, value", BAD_ORACLE_SETTINGS)
+def test_bad_settings_are_refused_naming_them(name: str, value: object) -> None:
+    """As the pipeline checks its settings (``torchrec_lookahead.settings``): every bad
+    one is a ``ValueError`` naming it, raised by the constructor."""
+    settings: dict[str, object] = {
+        "capacity": 4,
+        "lookahead": 2,
+        "prefetch_distance": 1,
+        "num_rows": 10,
+        name: value,
+    }
+    with pytest.raises(ValueError, match=name):
+        OracleCacher(**settings)
+
+
+def test_integer_settings_of_any_integer_type_are_taken_as_ints() -> None:
+    oracle = OracleCacher(np.int64(4), np.int32(2), np.uint8(1), num_rows=np.int64(10))
+    assert [
+        type(v)
+        for v in (oracle.capacity, oracle.lookahead, oracle.prefetch_distance, oracle.num_rows)
+    ] == [int] * 4
+    assert oracle.push(np.array([1, 2])) is None
 
 
 def test_push_emits_each_plan_once_its_window_is_visible() -> None:

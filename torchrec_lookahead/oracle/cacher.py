@@ -53,6 +53,7 @@ from torchrec_lookahead.oracle.kernels import (
     prepare_batch,
 )
 from torchrec_lookahead.oracle.slots import grow_rings, grow_rows, new_state
+from torchrec_lookahead.settings import check_count
 from torchrec_lookahead.types import CachePlan, CachePlanner
 
 __all__ = [
@@ -158,6 +159,9 @@ class OracleCacher(CachePlanner):
             ``slots.new_state``): a disk store maps it from a file, so that
             the oracle's private memory does not grow with the table.
 
+    A bad setting (a negative count, ``nan``, ``inf``, a float, a bool, an unknown
+    ``tie_break``) raises ``ValueError`` naming it, before anything is built.
+
     Memory: 16 bytes per table row (in ``row_table``'s, if given), 104 bytes
     per cache slot, and about 4 bytes per id plus 28 per distinct id of each
     batch in the window (``max(L + 1, d + 2)`` batches are kept).
@@ -176,15 +180,14 @@ class OracleCacher(CachePlanner):
         tie_break: str = "frequency",
         row_table: Callable[[int], np.ndarray] | None = None,
     ) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1, got {capacity}")
-        if lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-        if prefetch_distance < 0:
-            raise ValueError(f"prefetch_distance must be >= 0, got {prefetch_distance}")
-        if num_rows is not None and num_rows < 1:
-            raise ValueError(f"num_rows must be at least 1, got {num_rows}")
-        if tie_break not in TIE_BREAKS:
+        # As the pipeline checks its settings: a ValueError for each bad one (nan, inf,
+        # 2.0, True, a string or a negative count), naming it.
+        capacity = check_count("capacity", capacity, 1)
+        lookahead = check_count("lookahead", lookahead, 0)
+        prefetch_distance = check_count("prefetch_distance", prefetch_distance, 0)
+        if num_rows is not None:
+            num_rows = check_count("num_rows", num_rows, 1)
+        if not isinstance(tie_break, str) or tie_break not in TIE_BREAKS:
             raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
         self.capacity = capacity
         self.lookahead = lookahead
