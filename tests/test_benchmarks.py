@@ -107,8 +107,21 @@ def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -
 
 
 def test_batch_check_report_times_both_checks(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "batch_check.py"), "--out", str(tmp_path),
-           "--scale", "0.001", "--batch-sizes", "64", "128", "--calls", "3", "--repeats", "2"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "batch_check.py"),
+        "--out",
+        str(tmp_path),
+        "--scale",
+        "0.001",
+        "--batch-sizes",
+        "64",
+        "128",
+        "--calls",
+        "3",
+        "--repeats",
+        "2",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "structure" in out and "ids" in out
     results = json.loads((tmp_path / "report.json").read_text())["results"]
@@ -156,6 +169,46 @@ def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> Non
     assert hot["bytes_per_step"]["hot_sync"] > 0 and plain["bytes_per_step"]["hot_sync"] == 0
     assert hot["embedding_bytes_per_step"] < plain["embedding_bytes_per_step"]
     assert result["bytes_ratio"] == pytest.approx(
-        hot["embedding_bytes_per_step"] / settings["torchrec_plan"]["embedding_bytes_per_step"])
+        hot["embedding_bytes_per_step"] / settings["torchrec_plan"]["embedding_bytes_per_step"]
+    )
     assert 0.5 < result["hot_share"] < 1
     assert (tmp_path / "comm.png").stat().st_size > 0
+
+
+def test_preprocess_report_measures_memory_and_speed_and_removes_the_data(
+    tmp_path: Path,
+) -> None:
+    work = tmp_path / "work"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "preprocess.py"),
+        "--out",
+        str(tmp_path),
+        "--work-dir",
+        str(work),
+        "--lines",
+        "3000",
+        "--days",
+        "2",
+        "--scale",
+        "0.001",
+        "--thresholds",
+        "0",
+        "2",
+        "--workers",
+        "1",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    assert "Preprocessing Criteo days" in out and "peak RSS MB" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["date"] and report["machine"]["cores"] >= 1
+    results = {r["threshold"]: r for r in report["results"]}
+    assert set(results) == {0, 2}
+    for r in results.values():
+        assert r["lines_per_day"] == 3000 and r["lines_per_s"] > 0 and r["bytes"] > 0
+        assert r["peak_rss_mb"] > 10 and r["peak_private_mb"] > 10
+        assert set(r["pass_seconds"]) == {"convert_and_count", "merge_columns", "map_ids"}
+        assert r["distinct_ids"] == sum(s - 2 for s in results[0]["table_sizes"])
+    # The threshold maps rare ids to one row: no column grows.
+    assert all(a <= b for a, b in zip(results[2]["table_sizes"], results[0]["table_sizes"]))
+    assert not work.exists(), "the generated days and outputs must be removed"

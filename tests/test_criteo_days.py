@@ -3,6 +3,9 @@ TSV conversion and the streaming ``.npy`` writer, each against TorchRec's own or
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +20,11 @@ from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_lookahead.data.contiguous import preprocess_days
 from torchrec_lookahead.data.criteo import CriteoDayReader, SampleOrder, find_days, stage_samples
 from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.npy import DataError, MappedRows, RowWriter
-from torchrec_lookahead.data.tsv import DONE, convert_tsv_days
+from torchrec_lookahead.data.tsv import DONE, convert_tsv_day, convert_tsv_days
 
 HASHES = [97 + 3 * i for i in range(26)]
 DAY_ROWS = (1000, 700, 900)  # the batches cross day boundaries
@@ -309,3 +313,288 @@ def test_orders_and_readers_refuse_bad_settings(tmp_path: Path) -> None:
         CriteoDayReader(days, SampleOrder(2000, 1000, 128))
     with pytest.raises(IndexError, match="outside the pass"):
         CriteoDayReader(days, SampleOrder(0, 1000, 128))[7]
+
+
+# ---------------------------------------------------------------- preprocessing (TorchRec's)
+
+PREPROCESS = Path(__file__).resolve().parents[1] / "examples" / "dlrm" / "preprocess.py"
+RAW_DAY_LINES = (1500, 1300, 1400)
+
+
+def criteo_like_day(path: Path, lines: int, seed: int) -> Path:
+    """A raw day with what TorchRec's preprocessing must get right: empty fields, negative
+    integers, ids repeated within and across days (Zipf draws from small per-column pools,
+    some written in upper case), rare ids seen once, twice or three times over all days
+    (uniform draws from a larger pool), and on odd seeds no newline after the last line."""
+    rng = np.random.default_rng(seed)
+    common = np.random.default_rng(7).integers(0, 2**32, (26, 40))
+    rare = np.random.default_rng(8).integers(2**32, 2**40, (26, 400))
+    columns = np.arange(26)
+    ids = common[columns, (rng.zipf(1.4, (lines, 26)) - 1) % (2 + columns)]
+    picked = rng.random((lines, 26)) < 0.15
+    ids = np.where(picked, rare[columns, rng.integers(0, 400, (lines, 26))], ids)
+    cats = np.char.mod("%08x", ids)
+    cats = np.where(rng.random((lines, 26)) < 0.1, np.char.upper(cats), cats)
+    cats = np.where(rng.random((lines, 26)) < 0.05, "", cats)
+    ints = rng.integers(-3, 5000, (lines, 13)).astype(str)
+    ints = np.where(rng.random((lines, 13)) < 0.1, "", ints)
+    labels = rng.integers(0, 2, (lines, 1)).astype(str)
+    rows = np.concatenate([labels, ints, cats], axis=1).tolist()
+    end = "" if seed % 2 else "\n"
+    path.write_text("\n".join("\t".join(row) for row in rows) + end)
+    return path
+
+
+@pytest.fixture(scope="module")
+def raw_days(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Three raw days, and TorchRec's ``tsv_to_npys`` of each (``day_<n>_{kind}.npy``)."""
+    root = tmp_path_factory.mktemp("raw")
+    raw, converted = root / "raw", root / "tsv_to_npys"
+    raw.mkdir()
+    converted.mkdir()
+    for day, lines in enumerate(RAW_DAY_LINES):
+        criteo_like_day(raw / f"day_{day}", lines, day)
+        outputs = [converted / f"day_{day}_{kind}.npy" for kind in ("dense", "sparse", "labels")]
+        BinaryCriteoUtils.tsv_to_npys(str(raw / f"day_{day}"), *map(str, outputs))
+    return raw, converted
+
+
+def torchrec_contiguous(converted: Path, threshold: int, out: Path) -> Path:
+    """TorchRec's ``sparse_to_contiguous`` over the days, in day order, into ``out``."""
+    out.mkdir(exist_ok=True)
+    sparse = [str(converted / f"day_{day}_sparse.npy") for day in range(len(RAW_DAY_LINES))]
+    BinaryCriteoUtils.sparse_to_contiguous(sparse, str(out), frequency_threshold=threshold)
+    return out
+
+
+def assert_preprocessed_as_torchrec(out: Path, converted: Path, contiguous: Path) -> None:
+    """Every array of ``out`` equals TorchRec's (dtype, shape, values; the files byte for
+    byte), and the cardinality file holds 2 + the ids each column keeps."""
+    for day in range(len(RAW_DAY_LINES)):
+        pairs = [
+            (out / f"day_{day}_{kind}.npy", converted / f"day_{day}_{kind}.npy")
+            for kind in ("dense", "labels")
+        ]
+        name = f"day_{day}_sparse_contig_freq.npy"
+        pairs.append((out / name, contiguous / name))
+        for ours, theirs in pairs:
+            a, b = np.load(ours), np.load(theirs)
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), ours.name
+            assert np.array_equal(a, b), ours.name
+            assert ours.read_bytes() == theirs.read_bytes(), ours.name
+    theirs = np.concatenate(
+        [np.load(contiguous / f"day_{d}_sparse_contig_freq.npy") for d in range(len(RAW_DAY_LINES))]
+    )
+    sizes = [int(s) for s in (out / "num_embeddings_per_feature.txt").read_text().split(",")]
+    assert sizes == [2 + len(set(theirs[:, c].tolist()) - {1}) for c in range(26)]
+    assert sizes == (theirs.max(axis=0) + 1).tolist()  # every id has its row
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 15])
+def test_preprocess_command_equals_torchrecs_two_steps(
+    tmp_path: Path, raw_days: tuple[Path, Path], threshold: int
+) -> None:
+    """``preprocess.py`` (2 workers, blocks of 20 KB) against TorchRec's ``tsv_to_npys`` per
+    day and ``sparse_to_contiguous`` over the days, array for array. Thresholds: 0 and 1
+    (no threshold: every id kept), 2 and 3 (ids seen once, or up to twice, become 1) and
+    MLPerf's 15 (most of the small pools' ids too)."""
+    raw, converted = raw_days
+    contiguous = torchrec_contiguous(converted, threshold, tmp_path / "torchrec")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(PREPROCESS),
+            "--input_dir",
+            str(raw),
+            "--output_dir",
+            str(out),
+            "--frequency_threshold",
+            str(threshold),
+            "--workers",
+            "2",
+            "--block_mb",
+            "0.02",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_preprocessed_as_torchrec(out, converted, contiguous)
+    rare = np.load(out / "day_0_sparse_contig_freq.npy") == 1
+    assert rare.any() == (threshold > 1)  # the rare ids' row is used only under a threshold
+    # Only TorchRec's names and the cardinality file are left, and the state's markers.
+    names = {p.name for p in out.iterdir()}
+    assert names == {".preprocess", "num_embeddings_per_feature.txt"} | {
+        f"day_{d}_{k}.npy" for d in range(3) for k in ("dense", "labels", "sparse_contig_freq")
+    }
+    assert not list((out / ".preprocess").glob("*.np*"))
+    assert [d.sparse.name for d in find_days(out)] == [
+        f"day_{d}_sparse_contig_freq.npy" for d in range(3)
+    ]
+
+
+def test_preprocessing_restarts_by_day_and_refuses_other_settings(
+    tmp_path: Path, raw_days: tuple[Path, Path]
+) -> None:
+    raw = tmp_path / "raw"
+    shutil.copytree(raw_days[0], raw)
+    good = (raw / "day_2").read_text()
+    lines = good.split("\n")
+    lines[4] = lines[4].replace("\t", "\tx", 1)  # line 5 of day 2: a bad integer
+    (raw / "day_2").write_text("\n".join(lines))
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"day_2:5: field 2 is 'x"):
+        preprocess_days(raw, out, 2, block_bytes=20_000, progress=False)
+    state = out / ".preprocess"
+    assert sorted(p.name for p in state.glob("*.counted")) == ["day_0.counted", "day_1.counted"]
+    assert not list(out.glob("day_2_*")) and not list(out.glob("*contig*"))
+    assert (
+        not list(out.rglob("*.partial")) and not (out / "num_embeddings_per_feature.txt").exists()
+    )
+    with pytest.raises(DataError, match="preprocessing is unfinished"):
+        find_days(out)  # training refuses it, naming what to do
+    converted_at = (out / "day_0_dense.npy").stat().st_mtime_ns
+    (raw / "day_2").write_text(good)
+    sizes = preprocess_days(raw, out, 2, block_bytes=20_000, progress=False)
+    assert (out / "day_0_dense.npy").stat().st_mtime_ns == converted_at  # not converted again
+    contiguous = torchrec_contiguous(raw_days[1], 2, tmp_path / "torchrec")
+    assert_preprocessed_as_torchrec(out, raw_days[1], contiguous)
+    mapped_at = (out / "day_2_sparse_contig_freq.npy").stat().st_mtime_ns
+    assert preprocess_days(raw, out, 2, progress=False) == sizes  # done: nothing redone
+    assert (out / "day_2_sparse_contig_freq.npy").stat().st_mtime_ns == mapped_at
+    with pytest.raises(DataError, match=r"other frequency_threshold 2 \(now 3\)"):
+        preprocess_days(raw, out, 3, progress=False)
+    with open(raw / "day_0", "a") as day_0:
+        day_0.write(good.split("\n")[0] + "\n")
+    with pytest.raises(DataError, match="day_0, which changed since it was converted"):
+        preprocess_days(raw, out, 2, progress=False)
+    with pytest.raises(DataError, match="already holds .npy days that this preprocessing did"):
+        preprocess_days(raw, raw_days[1], 2, progress=False)  # TorchRec's own output folder
+
+
+def npy_day(folder: Path, day: int, sparse: str = "sparse", rows: int = 10) -> None:
+    folder.mkdir(exist_ok=True)
+    np.save(folder / f"day_{day}_dense.npy", np.zeros((rows, 13), np.float32))
+    np.save(folder / f"day_{day}_{sparse}.npy", np.zeros((rows, 26), np.int64))
+    np.save(folder / f"day_{day}_labels.npy", np.zeros((rows, 1), np.int32))
+
+
+def raw_day(folder: Path, name: str) -> None:
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text("\t".join(["1"] + ["2"] * 13 + ["3a"] * 26) + "\n")
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda f: [raw_day(f, f"day_{d}") for d in (0, 5, 23)],
+            r"the days are numbered 0, 5, 23, with days 1-4, 6-22 missing",
+        ),
+        (
+            lambda f: [raw_day(f, n) for n in ("day_0", "day_1.gz", "day_2.GZ")],
+            r"compressed files day_1.gz, day_2.GZ: decompress them first",
+        ),
+        (
+            lambda f: [raw_day(f, n) for n in ("day_0", "day_1", "day_01", "day_2.tsv")],
+            r"files that are no Criteo day: day_01, day_2.tsv",
+        ),
+        (lambda f: None, r"no raw Criteo days"),
+    ],
+)
+def test_preprocessing_refuses_bad_day_sets_before_writing(tmp_path: Path, make, message) -> None:
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    make(raw)
+    with pytest.raises(DataError, match=message):
+        preprocess_days(raw, tmp_path / "out", 0, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda f: [npy_day(f, d) for d in (0, 1, 3)], r"numbered 0-1, 3, with days 2 missing"),
+        (
+            lambda f: [npy_day(f, d, "sparse_contig_freq") for d in (0, 5, 23)],
+            r"numbered 0, 5, 23, with days 1-4, 6-22 missing",
+        ),
+        (
+            lambda f: [npy_day(f, 0), npy_day(f, 1), npy_day(f, 1, "sparse_contig_freq")],
+            r"day 1 has both day_1_sparse.npy and day_1_sparse_contig_freq.npy",
+        ),
+        (
+            lambda f: [npy_day(f, 0), npy_day(f, 1, "sparse_contig_freq")],
+            r"mix their kinds of ids \(day_<n>_sparse.npy for days 0; "
+            r"day_<n>_sparse_contig_freq.npy for days 1\)",
+        ),
+        (
+            lambda f: [npy_day(f, 0), npy_day(f, 1), raw_day(f, "day_2")],
+            r"raw Criteo TSV days day_2 are not converted; convert them first: python "
+            r"examples/dlrm/preprocess.py --input_dir .* --output_dir OUT --frequency_threshold T",
+        ),
+        (lambda f: [raw_day(f, "day_0"), raw_day(f, "day_1")], r"day_0, day_1 are not converted"),
+        (
+            lambda f: [npy_day(f, 0), npy_day(f, 1), (f / "day_1_sparse.npy.gz").write_text("")],
+            r"compressed files day_1_sparse.npy.gz",
+        ),
+        (
+            lambda f: [
+                npy_day(f, 0),
+                npy_day(f, 1),
+                (f / "day_0_sparse_multi_hot.npz").write_text(""),
+            ],
+            r"no Criteo day: day_0_sparse_multi_hot.npz",
+        ),
+        (lambda f: None, r"found no day"),
+    ],
+)
+def test_training_day_sets_are_checked_by_name(tmp_path: Path, make, message) -> None:
+    folder = tmp_path / "days"
+    folder.mkdir()
+    make(folder)
+    with pytest.raises(DataError, match=message):
+        find_days(folder)
+
+
+def test_torchrecs_names_are_read_as_they_are(tmp_path: Path) -> None:
+    """Contiguous ids under TorchRec's name, no renaming; plain ids; raw days kept beside
+    their converted days; markers, hidden files and other names left alone."""
+    contiguous, plain = tmp_path / "contiguous", tmp_path / "plain"
+    for day in range(3):
+        npy_day(contiguous, day, "sparse_contig_freq", rows=10 + day)
+        npy_day(plain, day, rows=10 + day)
+        raw_day(plain, f"day_{day}")
+    for name in ("done", "day_0.done", "spec.json", ".hidden", "num_embeddings_per_feature.txt"):
+        (contiguous / name).write_text("")
+    for folder, sparse in ((contiguous, "sparse_contig_freq"), (plain, "sparse")):
+        days = find_days(folder)
+        assert [d.sparse.name for d in days] == [f"day_{d}_{sparse}.npy" for d in range(3)]
+        assert [d.rows for d in days] == [10, 11, 12]
+
+
+def test_lines_off_the_canonical_form_convert_as_torchrec_converts_them(tmp_path: Path) -> None:
+    """The compiled parser takes canonical lines; a block with any other line goes the
+    general way, which must still give TorchRec's arrays: signs, spaces and underscores
+    in integers (Python's int() takes them), CRLF endings, upper-case and 16-digit ids,
+    the 32-bit limits."""
+    lines = tsv_day(tmp_path / "base", 60, 3).read_text().splitlines()
+    odd = {
+        5: lambda f: [f[0], "+7", " 12", "1_000", "12 ", *f[5:]],
+        9: lambda f: [*f[:14], "7FFFFFFFFFFFFFFF", "00000000000000ab", *f[16:]],
+        20: lambda f: [f[0], "-2147483648", "2147483647", *f[3:]],
+    }
+    for at, change in odd.items():
+        lines[at] = "\t".join(change(lines[at].split("\t")))
+    day = tmp_path / "day_0"
+    day.write_bytes(("\r\n".join(lines[:30]) + "\n" + "\n".join(lines[30:])).encode())
+    (tmp_path / "ours").mkdir()
+    convert_tsv_day(day, tmp_path / "ours", 0, block_bytes=2_000)
+    reference = [tmp_path / f"ref_{kind}.npy" for kind in ("dense", "sparse", "labels")]
+    BinaryCriteoUtils.tsv_to_npys(str(day), *map(str, reference))
+    for kind, theirs in zip(("dense", "sparse", "labels"), reference):
+        a, b = np.load(tmp_path / "ours" / f"day_0_{kind}.npy"), np.load(theirs)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), kind

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES
+
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = str(ROOT / "examples" / "dlrm" / "dlrm_main.py")
 TINY = ["--scale", "0.001", "--synthetic_samples_per_day", "4096", "--batch_size", "128",
@@ -94,26 +96,112 @@ def test_planned_cache_sizes_are_reported_and_training_stays_exact(tmp_path: Pat
     assert summary["weights_match"] is True
 
 
-def test_trains_on_raw_criteo_tsv_days(tmp_path: Path) -> None:
-    data = tmp_path / "criteo"
-    data.mkdir()
+def raw_criteo_days(folder: Path, days: int = 2, lines: int = 600) -> Path:
+    """Raw Criteo TSV days: empty fields, ids repeated (small pools) and rare."""
+    folder.mkdir()
     rng = np.random.default_rng(0)
-    for day in range(2):
-        lines = []
-        for _ in range(600):
+    for day in range(days):
+        rows = []
+        for _ in range(lines):
             label = str(rng.integers(0, 2))
-            ints = [str(v) if rng.random() > 0.1 else "" for v in rng.integers(0, 50, 13)]
-            cats = [f"{v:08x}" if rng.random() > 0.05 else "" for v in rng.integers(0, 2**32, 26)]
-            lines.append("\t".join([label, *ints, *cats]))
-        (data / f"day_{day}").write_text("\n".join(lines) + "\n")
-    sizes = ",".join(["97"] * 26)
-    done, summary = run(tmp_path, "--dataset_path", str(data),
-                        "--num_embeddings_per_feature", sizes, "--batch_size", "64",
-                        "--limit_train_batches", "8", "--lookahead", "2", "--baseline")  # fmt: skip
+            ints = [str(v) if rng.random() > 0.1 else "" for v in rng.integers(-2, 50, 13)]
+            cats = [f"{v:08x}" if rng.random() > 0.05 else "" for v in rng.integers(0, 40, 26)]
+            rows.append("\t".join([label, *ints, *cats]))
+        (folder / f"day_{day}").write_text("\n".join(rows) + "\n")
+    return folder
+
+
+def test_trains_on_days_preprocessed_as_torchrec_does(tmp_path: Path) -> None:
+    """Raw days are refused (one line naming the command); preprocess.py converts them;
+    training reads TorchRec's day_<n>_sparse_contig_freq.npy as named, and the table
+    sizes from the cardinality file the preprocessing wrote."""
+    raw = raw_criteo_days(tmp_path / "criteo")
+    flags = ["--batch_size", "64", "--limit_train_batches", "8", "--lookahead", "2"]
+    refused, _ = run(tmp_path, "--dataset_path", str(raw), *flags)
+    assert refused.returncode == 2 and refused.stderr.count("error:") == 1, refused.stderr
+    assert "are not converted; convert them first: python examples/dlrm/preprocess.py" in (
+        refused.stderr
+    )
+    assert "Traceback" not in refused.stderr and not (raw / "npy").exists()
+    out = tmp_path / "npy"
+    preprocess = [
+        sys.executable,
+        str(ROOT / "examples" / "dlrm" / "preprocess.py"),
+        "--input_dir",
+        str(raw),
+        "--output_dir",
+        str(out),
+        "--frequency_threshold",
+        "2",
+        "--quiet",
+    ]
+    converted = subprocess.run(preprocess, capture_output=True, text=True, timeout=300)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    sizes = [int(s) for s in (out / "num_embeddings_per_feature.txt").read_text().split(",")]
+    assert sizes == [2 + 40] * 26  # 40 ids each, every one seen twice or more
+    done, summary = run(tmp_path, "--dataset_path", str(out), *flags, "--baseline")
     assert done.returncode == 0, done.stderr[-3000:]
     assert summary["weights_match"] is True
-    assert sorted(p.name for p in (data / "npy").glob("day_*_sparse.npy")) == [
-        "day_0_sparse.npy", "day_1_sparse.npy"]  # fmt: skip
+    assert summary["config"]["num_embeddings"] == sizes
+
+
+def test_table_sizes_come_as_a_list_or_a_file(tmp_path: Path, capsys) -> None:
+    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+    import flags as example_flags
+
+    days = tmp_path / "days"
+    days.mkdir()
+    for day in range(2):  # TorchRec's tsv_to_npys names: plain ids
+        np.save(days / f"day_{day}_dense.npy", np.zeros((10, 13), np.float32))
+        np.save(days / f"day_{day}_sparse.npy", np.zeros((10, 26), np.int64))
+        np.save(days / f"day_{day}_labels.npy", np.zeros((10, 1), np.int32))
+    sizes = [7 + i for i in range(26)]
+    listed = ",".join(map(str, sizes))
+    (tmp_path / "sizes.txt").write_text(listed + "\n")
+    base = [*TINY, "--out", str(tmp_path / "out"), "--dataset_path", str(days)]
+    for value in (listed, f"@{tmp_path / 'sizes.txt'}", str(tmp_path / "sizes.txt")):
+        args = example_flags.parse_args([*base, "--num_embeddings_per_feature", value])
+        assert args.num_embeddings == sizes
+    assert example_flags.parse_args(base).num_embeddings == list(CRITEO_KAGGLE_TABLE_SIZES)
+    (days / "num_embeddings_per_feature.txt").write_text(listed)
+    assert example_flags.parse_args(base).num_embeddings == sizes  # the folder's own file
+    for value, message in (
+        (f"@{tmp_path / 'none.txt'}", "none.txt: no such file"),
+        ("1,2,3", "needs 26 positive comma-separated integers"),
+        (str(days / "day_0_dense.npy"), "expected 26 comma-separated"),
+    ):
+        with pytest.raises(SystemExit):
+            example_flags.parse_args([*base, "--num_embeddings_per_feature", value])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_old_checkpoints_are_pruned_never_the_latest_or_one_being_written(
+    tmp_path: Path,
+) -> None:
+    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
+    from checkpoint import prune
+
+    root = tmp_path / "ckpt"
+    for step in (5, 10, 15, 20, 25, 30):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        (root / f"step_{step:08d}" / ".metadata").write_text("")
+    (root / ".step_00000035.partial").mkdir()  # being written
+    (root / ".pruning.step_00000001").mkdir()  # left by a prune that was killed
+    (root / "latest").write_text("step_00000010")  # an older one, as after a rollback
+    assert prune(str(root), 0) == []  # 0: keep them all (a killed prune's leftovers go)
+    assert len(list(root.glob("step_*"))) == 6 and not list(root.glob(".pruning.*"))
+    (root / ".pruning.step_00000002").mkdir()
+    assert prune(str(root), 2) == ["step_00000005", "step_00000015", "step_00000020"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".step_00000035.partial",
+        "latest",
+        "step_00000010",
+        "step_00000025",
+        "step_00000030",
+    ]
+    with pytest.raises(ValueError, match="keep must be 0"):
+        prune(str(root), -1)
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
@@ -122,10 +210,11 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     shuffled = [*TINY, "--shuffle", "--shuffle_chunk", "1000"]
     whole, whole_summary = run(tmp_path / "whole", *shuffled, "--limit_train_batches", "24",
                                "--save_dir", str(tmp_path / "ckpt-whole"),
-                               "--checkpoint_every", "10", "--num_workers", "2")  # fmt: skip
+                               "--checkpoint_every", "10", "--num_workers", "2",
+                               "--keep_checkpoints", "2")  # fmt: skip
     assert whole.returncode == 0, whole.stderr[-3000:]
     names = sorted(p.name for p in (tmp_path / "ckpt-whole").iterdir())
-    assert names == ["latest", "step_00000010", "step_00000020", "step_00000024"]
+    assert names == ["latest", "step_00000020", "step_00000024"]  # the 2 newest are kept
     first, _ = run(tmp_path / "first", *shuffled, "--limit_train_batches", "13",
                    "--save_dir", str(tmp_path / "ckpt"), "--num_workers", "1")  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
@@ -152,6 +241,22 @@ def bad_npy_folder(tmp: Path) -> str:
     return str(folder)
 
 
+def day_set_folder(folder: Path, kind: str) -> str:
+    """Days numbered 0, 1, 3 (GAPPED); days 0, 1 and a day_2.gz (GZIPPED); raw TSV days (RAW)."""
+    folder.mkdir()
+    numbers = {"GAPPED": (0, 1, 3), "GZIPPED": (0, 1), "RAW": ()}[kind]
+    for day in numbers:
+        np.save(folder / f"day_{day}_dense.npy", np.zeros((10, 13), np.float32))
+        np.save(folder / f"day_{day}_sparse.npy", np.zeros((10, 26), np.int64))
+        np.save(folder / f"day_{day}_labels.npy", np.zeros((10, 1), np.int32))
+    if kind == "GZIPPED":
+        (folder / "day_2.gz").write_bytes(b"")
+    if kind == "RAW":
+        for day in range(2):
+            (folder / f"day_{day}").write_text("\t".join(["1"] * 14 + ["a"] * 26) + "\n")
+    return str(folder)
+
+
 @pytest.mark.parametrize(
     "flags, code, message",
     [
@@ -165,7 +270,11 @@ def bad_npy_folder(tmp: Path) -> str:
         (["--scale", "nan"], 2, "--scale must be a positive number"),
         (["--interaction_type", "dcn", "--dcn_low_rank_dim", "0"], 2, "--dcn_low_rank_dim"),
         (["--embedding_dim", "6", "--dense_arch_layer_sizes", "64,6"], 2, "multiple of 4"),
-        (["--dataset_path", "EMPTY"], 1, "found neither"),
+        (["--dataset_path", "EMPTY"], 2, "found no day"),
+        (["--dataset_path", "GAPPED"], 2, "numbered 0-1, 3, with days 2 missing"),
+        (["--dataset_path", "GZIPPED"], 2, "compressed files day_2.gz: decompress them"),
+        (["--dataset_path", "RAW"], 2, "day_0, day_1 are not converted; convert them first"),
+        (["--keep_checkpoints", "-1"], 2, "--keep_checkpoints must be 0 (keep all) or more"),
         (["--dataset_path", "BAD_NPY"], 1, "expected dense [N, 13] float32, sparse [N, 26]"),
         (["--lookahead", "0"], 2, "--lookahead must be at least 1"),
         (["--cache_load_factor", "1.5"], 2, "--cache_load_factor must be in (0, 1]"),
@@ -199,9 +308,11 @@ def test_bad_input_gets_one_clear_message(tmp_path: Path, flags, code, message, 
     def substituted(flag: str) -> str:  # a placeholder at the start of a flag, made real
         if flag == "BAD_NPY":
             return bad_npy_folder(tmp_path)
+        if flag in ("GAPPED", "GZIPPED", "RAW"):
+            return day_set_folder(tmp_path / flag.lower(), flag)
         for name, path in paths.items():
             if flag.startswith(name):
-                return str(path) + flag[len(name):]
+                return str(path) + flag[len(name) :]
         return flag
 
     flags = [substituted(f) for f in flags]

@@ -6,7 +6,9 @@ loading a disk store's tables never needs a whole table in memory."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +26,8 @@ from torchrec_lookahead._compat import Shard, ShardedTensor, sharded_tensor_from
 from torchrec_lookahead.store.checkpoint import StreamingLoadPlanner, StreamingSavePlanner
 
 PATHS = PathManager()
+_PUBLISHED = re.compile(r"step_([0-9]+)")
+_PRUNING = ".pruning."  # a checkpoint being removed: hidden first, then deleted
 
 
 def latest(root: str) -> str | None:
@@ -39,6 +43,36 @@ def latest(root: str) -> str | None:
     if not PATHS.isdir(path):
         raise ValueError(f"{pointer} names {path}, which is missing (moved or deleted?)")
     return path
+
+
+def prune(root: str, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` published checkpoints under ``root`` (0: keep
+    them all); returns the names removed.
+
+    Never the one ``latest`` names, and never one being written (those are hidden
+    ``.step_<n>.partial`` folders until published). Each goes by an atomic rename to a
+    hidden name first and is deleted after, so a checkpoint is whole under its name or
+    absent, whenever this is stopped; the leftovers of a prune that was stopped are
+    deleted by the next.
+    """
+    if keep < 0:
+        raise ValueError(f"keep must be 0 (keep all) or more, got {keep}")
+    if not os.path.isdir(root):
+        return []
+    named = latest(root)
+    published = sorted(
+        (int(match[1]), name)
+        for name in os.listdir(root)
+        if (match := _PUBLISHED.fullmatch(name)) and os.path.isdir(os.path.join(root, name))
+    )
+    old = [name for _, name in published[:-keep]] if keep else []
+    removed = [name for name in old if named is None or os.path.join(root, name) != named]
+    for name in removed:
+        os.replace(os.path.join(root, name), os.path.join(root, f"{_PRUNING}{name}"))
+    for name in os.listdir(root):
+        if name.startswith(_PRUNING):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return removed
 
 
 def snapshot(state: Any, into: Any = None) -> Any:
@@ -108,6 +142,10 @@ class Checkpointer:
     ``files`` (name -> text) are written into every checkpoint folder by rank 0
     before it is published (the DLRM example describes its model there).
 
+    After publishing a checkpoint, rank 0 keeps the newest ``keep`` of them (0: all) and
+    removes the others (:func:`prune`: never the one ``latest`` names, never one being
+    written, each removed atomically).
+
     A step is saved once: the state of a step this process already saved or
     loaded is that checkpoint, so saving it again (the end of the data on a
     checkpoint step, a resumed run ending where it resumed) does nothing. A save
@@ -122,9 +160,13 @@ class Checkpointer:
         asynchronous: bool = False,
         written: Callable[[int], None] | None = None,
         files: dict[str, str] | None = None,
+        keep: int = 0,
     ) -> None:
+        if keep < 0:
+            raise ValueError(f"keep must be 0 (keep all) or more, got {keep}")
         self.root = root
         self.files = dict(files or {})
+        self.keep = keep
         self.step: int | None = None  # the newest step saved or loaded here
         self.stall_s: list[float] = []  # per save: how long the trainer was held
         self._written = written
@@ -208,4 +250,8 @@ class Checkpointer:
             with PATHS.open(pointer, "w") as f:
                 f.write(os.path.basename(final))
             os.replace(pointer, os.path.join(self.root, "latest"))
+            try:
+                prune(self.root, self.keep)
+            except OSError as error:  # an old checkpoint left behind is no reason to stop
+                print(f"warning: pruning old checkpoints in {self.root}: {error}", file=sys.stderr)
         dist.barrier(group=group)

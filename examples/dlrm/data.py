@@ -1,10 +1,11 @@
 """Data for the DLRM example: Criteo's preprocessed ``.npy`` layout, synthetic or real.
 
 Everything ends up as ``day_{i}_dense.npy`` (float32 [N, 13]),
-``day_{i}_sparse.npy`` (int64 [N, 26]) and ``day_{i}_labels.npy`` (int32
-[N, 1]), read by :class:`torchrec_lookahead.data.criteo.CriteoDayReader`
-(mapped, each rank its own samples): every day but the last trains, the last
-day's halves are validation and test.
+``day_{i}_sparse.npy`` or ``day_{i}_sparse_contig_freq.npy`` (int64 [N, 26])
+and ``day_{i}_labels.npy`` (int32 [N, 1]), read by
+:class:`torchrec_lookahead.data.criteo.CriteoDayReader` (mapped, each rank its
+own samples): every day but the last trains, the last day's halves are
+validation and test.
 
 * Synthetic (default): Criteo-shaped ids with per-table Zipf skew, and labels
   drawn from a fixed logistic function of the dense features and of the ids
@@ -15,9 +16,11 @@ day's halves are validation and test.
   ``USER_DENSE`` dense); labels stay the same fixed function of each
   sample's features. ``--dedup`` then sends each batch in TorchRec's
   deduplicated form (in the loader's workers).
-* Real: ``--dataset_path`` with ``day_*.npy`` files, or raw Criteo TSV days
-  (label, 13 integers, 26 hex ids per line), converted once, as a stream, into
-  ``npy/`` beside them (the same files TorchRec's ``tsv_to_npys`` writes).
+* Real: ``--dataset_path``, a folder of ``.npy`` days under TorchRec's names
+  (``day_<i>_sparse.npy`` or ``day_<i>_sparse_contig_freq.npy`` for the ids).
+  Raw Criteo TSV days are converted before training, by ``preprocess.py`` (its
+  own command, restartable by day): training refuses them, and converts
+  nothing, so no conversion ever runs while other ranks wait in a collective.
 """
 
 from __future__ import annotations
@@ -31,18 +34,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from iopath.common.file_io import PathManager
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.criteo import CriteoDayReader, DayFiles, SampleOrder, stage_samples
-from torchrec_lookahead.data.npy import DataError
-from torchrec_lookahead.data.tsv import DONE, convert_tsv_days
+from torchrec_lookahead.data.days import npy_day_paths
 
 USER_FEATURES = DEFAULT_CAT_NAMES[:13]  # sparse features a session shares
 USER_DENSE = 6  # dense features a session shares (the first ones)
-
-PATHS = PathManager()
 
 
 @dataclass(frozen=True)
@@ -98,26 +97,11 @@ def synthetic_days(spec: SyntheticSpec, root: Path) -> Path:
 
 
 def real_days(path: str) -> Path:
-    """The folder holding ``day_*.npy`` for ``path``; raw TSV days are converted once, as a
-    stream (:func:`convert_tsv_days`: restartable, a day appears only complete)."""
-    if not PATHS.exists(path):
-        raise DataError(f"--dataset_path {path}: no such folder")
-    folder = Path(path)
-    if list(folder.glob("day_*_dense.npy")):
-        return folder
-    tsvs = sorted(
-        (p for p in folder.iterdir() if p.suffix in (".tsv", ".txt") or p.name.startswith("day_")),
-        key=lambda p: (len(p.stem), p.stem),  # day_2 before day_10
-    )
-    if not tsvs:
-        raise DataError(
-            f"--dataset_path {path}: expected day_<i>_dense/sparse/labels.npy files or raw "
-            "Criteo TSV days (day_0, day_1, ... or *.tsv), found neither"
-        )
-    out = folder / "npy"
-    if not (out / DONE).exists():
-        convert_tsv_days(tsvs, out)
-    return out
+    """The folder of ``.npy`` days ``path`` names, its day set checked by name (no gaps,
+    no stray or compressed files, no raw TSV days left unconverted: those are
+    ``preprocess.py``'s to convert); the files' contents are ``find_days``'s to check."""
+    npy_day_paths(path)
+    return Path(path)
 
 
 def reader(args, days: list[DayFiles], stage: str, rank: int, world_size: int) -> CriteoDayReader:

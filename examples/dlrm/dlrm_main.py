@@ -71,7 +71,9 @@ def init_distributed() -> tuple[int, int, torch.device]:
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
         )
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        # A GPU per local rank; with fewer GPUs than ranks, ranks share them (NCCL may
+        # refuse two ranks of one communicator on one GPU).
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
     else:
@@ -296,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
             args.async_checkpoint,
             written,
             {MODEL_FILE: json.dumps(model_config(args), indent=1)},
+            keep=args.keep_checkpoints,
         )
     start_step = 0
     if args.resume:

@@ -13,6 +13,9 @@ from faults import first_attempt
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo
+from torchrec_lookahead.data.contiguous import CARDINALITY_FILE, read_cardinalities
+from torchrec_lookahead.data.days import npy_day_paths
+from torchrec_lookahead.data.npy import DataError
 
 __all__ = ["MODEL_FILE", "model_config", "parse_args"]
 
@@ -56,13 +59,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num_embeddings_per_feature",
         type=str,
         default=None,
-        help="26 comma-separated table sizes (real data: ids are taken modulo these)",
+        help="26 comma-separated table sizes (real data: ids are taken modulo these), or a "
+        "file holding them (@FILE or a path, e.g. preprocess.py's "
+        f"{CARDINALITY_FILE}); default with --dataset_path: that folder's "
+        f"{CARDINALITY_FILE} if it has one, else Criteo Kaggle's sizes",
     )
     p.add_argument(
         "--dataset_path",
         type=str,
         default=None,
-        help="day_<i>_{dense,sparse,labels}.npy or raw Criteo TSV days",
+        help="a folder of .npy days: day_<i>_dense.npy, day_<i>_labels.npy and "
+        "day_<i>_sparse.npy or day_<i>_sparse_contig_freq.npy (TorchRec's names); raw "
+        "TSV days are converted first, by examples/dlrm/preprocess.py",
     )
     p.add_argument(
         "--shuffle",
@@ -186,6 +194,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "resumes by itself; without it, --save_dir must hold no checkpoint",
     )
     p.add_argument(
+        "--keep_checkpoints",
+        type=int,
+        default=3,
+        help="keep the newest N checkpoints in --save_dir, removing older ones as new ones "
+        "are published (never the one 'latest' names; 0: keep them all)",
+    )
+    p.add_argument(
         "--async_checkpoint",
         action="store_true",
         help="stall training only to copy the state; write the files in the background",
@@ -236,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "shuffle_chunk",
     ):
         positive(name)
+    if args.keep_checkpoints < 0:
+        p.error(f"--keep_checkpoints must be 0 (keep all) or more, got {args.keep_checkpoints}")
     if args.num_workers < 0:
         p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     for name in ("scale", "zipf", "learning_rate", "cache_budget_mb", "link_gbps"):
@@ -328,13 +345,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.over_arch[-1] != 1:
         p.error(f"the over arch must end in 1, got {args.over_arch_layer_sizes}")
+    if args.dataset_path:
+        try:  # the day set, by name, on every rank before any collective (contents: later)
+            npy_day_paths(args.dataset_path)
+        except DataError as error:
+            p.error(f"--dataset_path: {error}")
+    found_sizes = Path(args.dataset_path or ".", CARDINALITY_FILE)
     if args.num_embeddings_per_feature is not None:
-        sizes = args.num_embeddings_per_feature.split(",")
-        if len(sizes) != len(DEFAULT_CAT_NAMES) or not all(
-            s.isdigit() and int(s) > 0 for s in sizes
-        ):
-            p.error("--num_embeddings_per_feature needs 26 positive comma-separated integers")
-        args.num_embeddings = [int(s) for s in sizes]
+        try:
+            args.num_embeddings = table_sizes(args.num_embeddings_per_feature)
+        except DataError as error:
+            p.error(f"--num_embeddings_per_feature: {error}")
+    elif args.dataset_path and found_sizes.is_file():
+        try:
+            args.num_embeddings = read_cardinalities(found_sizes)
+        except DataError as error:
+            p.error(f"--dataset_path: {error}")
     elif args.dataset_path:
         args.num_embeddings = list(CRITEO_KAGGLE_TABLE_SIZES)
     else:
@@ -345,6 +371,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "flags that wrote it, or choose another --save_dir"
         )
     return args
+
+
+def table_sizes(value: str) -> list[int]:
+    """``--num_embeddings_per_feature``: 26 comma-separated sizes, or a file holding them
+    (``@FILE``, or any value that is not digits and commas, is a path)."""
+    if value.startswith("@") or not value.replace(",", "").isdigit():
+        path = Path(value.removeprefix("@"))
+        if not path.is_file():
+            raise DataError(
+                f"{value}: no such file (expected 26 comma-separated table "
+                "sizes, or a file holding them)"
+            )
+        return read_cardinalities(path)
+    sizes = value.split(",")
+    if len(sizes) != len(DEFAULT_CAT_NAMES) or not all(s.isdigit() and int(s) > 0 for s in sizes):
+        raise DataError("needs 26 positive comma-separated integers (or a file holding them)")
+    return [int(s) for s in sizes]
 
 
 def folder_problem(path: str | None, must_exist: bool) -> str | None:

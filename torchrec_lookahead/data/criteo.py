@@ -1,14 +1,17 @@
 """Criteo's ``.npy`` day layout, read in bounded memory in an order every rank knows.
 
 The layout (TorchRec's): ``day_{i}_dense.npy`` (float32 [N, 13], log-scaled),
-``day_{i}_sparse.npy`` (integer [N, 26]) and ``day_{i}_labels.npy`` (integer
-[N, 1]) per day. Every day but the last trains; the last day's first half
-(rounded up) validates and its second half tests.
+``day_{i}_sparse.npy`` or ``day_{i}_sparse_contig_freq.npy`` (integer [N, 26])
+and ``day_{i}_labels.npy`` (integer [N, 1]) per day. Every day but the last
+trains; the last day's first half (rounded up) validates and its second half
+tests.
 
 Three parts, in data order:
 
-* :func:`find_days` checks a folder's days once (shapes, types, sizes, the
-  three files agreeing), so a bad day fails before training, naming the file.
+* :func:`find_days` (:mod:`.days`) checks a folder's days once, by name (no
+  gaps, no stray or compressed files) and then each file (shapes, types,
+  sizes, the three files agreeing), so a bad day fails before training,
+  naming the file.
 * :class:`SampleOrder` says which samples global step ``s`` holds: a pure
   function of the step and the settings, identical on every rank and across
   restarts. Shuffled, it is a seeded permutation of chunks of consecutive
@@ -30,70 +33,22 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from torchrec_lookahead.data.days import COLUMNS, KINDS, DayFiles, find_days
 from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.npy import DataError, MappedRows
 
 __all__ = ["CriteoDayReader", "DayFiles", "SampleOrder", "find_days", "stage_samples"]
 
-KINDS = ("dense", "sparse", "labels")
-COLUMNS = {"dense": INT_FEATURE_COUNT, "sparse": CAT_FEATURE_COUNT, "labels": 1}
 _MERGE_GAP_ROWS = 256  # page advice: row runs closer than this are advised as one range
-
-
-@dataclass(frozen=True)
-class DayFiles:
-    """One day's three files and its sample count."""
-
-    dense: Path
-    sparse: Path
-    labels: Path
-    rows: int
-
-    def paths(self) -> tuple[Path, Path, Path]:
-        return self.dense, self.sparse, self.labels
-
-
-def find_days(folder: str | Path) -> list[DayFiles]:
-    """The days in ``folder`` (``day_0``, ``day_1``, ... until one is missing), each checked:
-    all three files there, whole, of the right shape and type, with one sample count."""
-    folder = Path(folder)
-    days: list[DayFiles] = []
-    while (folder / f"day_{len(days)}_dense.npy").exists():
-        day = len(days)
-        paths = [folder / f"day_{day}_{kind}.npy" for kind in KINDS]
-        missing = [str(p) for p in paths if not p.exists()]
-        if missing:
-            raise DataError(f"{folder}: day {day} lacks {missing}")
-        rows = {}
-        for kind, path in zip(KINDS, paths):
-            mapped = MappedRows(path)  # checks the header against the file's size
-            shape, dtype = mapped.shape, mapped.rows.dtype
-            mapped.close()
-            right_type = dtype == np.float32 if kind == "dense" else dtype.kind in "iu"
-            if shape[1] != COLUMNS[kind] or not right_type:
-                raise DataError(
-                    f"{path}: {dtype} {list(shape)}; expected dense [N, 13] float32, "
-                    "sparse [N, 26] and labels [N, 1] integers"
-                )
-            rows[kind] = shape[0]
-        if len(set(rows.values())) != 1:
-            raise DataError(f"{folder}: day {day}'s files disagree on its sample count: {rows}")
-        days.append(DayFiles(paths[0], paths[1], paths[2], rows=rows["dense"]))
-    if len(days) < 2:
-        raise DataError(
-            f"{folder}: need at least 2 days (train, then validation/test), found {len(days)}"
-        )
-    return days
 
 
 def stage_samples(days: Sequence[DayFiles], stage: str) -> tuple[int, int]:

@@ -15,18 +15,18 @@ conversion with the file, line and field.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 import numpy as np
-from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
+from numba import njit
 from tqdm import tqdm
 
-from torchrec_lookahead.data.criteo import DayFiles, find_days
+from torchrec_lookahead.data.days import CAT_FEATURE_COUNT, INT_FEATURE_COUNT, DayFiles, find_days
 from torchrec_lookahead.data.npy import DataError, MappedRows, RowWriter
 
-__all__ = ["DONE", "convert_tsv_days"]
+__all__ = ["DONE", "convert_tsv_day", "convert_tsv_days"]
 
 DONE = "done"  # the folder's marker: every day converted
 FIELDS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
@@ -47,30 +47,42 @@ def convert_tsv_days(
     ):
         marker = out / f"day_{day}.{DONE}"
         if not marker.exists():
-            _convert_day(Path(tsv), out, day, block_bytes)
+            convert_tsv_day(Path(tsv), out, day, block_bytes)
             marker.write_text(f"{tsv}\n")
     (out / DONE).write_text("".join(f"{t}\n" for t in tsvs))
     return find_days(out)
 
 
-def _convert_day(tsv: Path, out: Path, day: int, block_bytes: int) -> None:
+def convert_tsv_day(
+    tsv: Path,
+    out: Path,
+    day: int,
+    block_bytes: int = 32 * 2**20,
+    on_ids: Callable[[np.ndarray], None] | None = None,
+) -> None:
+    """Convert one TSV day into ``out/day_<day>_{dense,sparse,labels}.npy``, each file
+    appearing only complete. ``on_ids`` sees every block of ids ([n, 26] int64) as it
+    is written, so a caller can count them without reading the file again."""
     raw_dense = out / f".day_{day}_dense_raw.npy"
     low = _INT32.max
     with RowWriter(out / f"day_{day}_labels.npy", np.int32, 1) as labels, \
          RowWriter(out / f"day_{day}_sparse.npy", np.int64, CAT_FEATURE_COUNT) as sparse, \
          RowWriter(raw_dense, np.int32, INT_FEATURE_COUNT) as dense:  # fmt: skip
-        for first_line, lines in _line_blocks(tsv, block_bytes):
-            label, integers, ids = _parse(lines, tsv, first_line)
+        for first_line, text in _text_blocks(tsv, block_bytes):
+            label, integers, ids = _parse_text(text, tsv, first_line)
             labels.append(label)
             dense.append(integers)
             sparse.append(ids)
+            if on_ids is not None:
+                on_ids(ids)
             low = min(low, int(integers.min()))
         if labels.count == 0:
             raise DataError(f"{tsv}: no samples")
     raw = MappedRows(raw_dense)
     try:
         with RowWriter(out / f"day_{day}_dense.npy", np.float32, INT_FEATURE_COUNT) as dense:
-            shift = np.int32(low - 2)  # as TorchRec: x -= min - 2 in int32, then log in float32
+            # As TorchRec: x -= min - 2 in int32 (wrapping, as numpy does), then log in float32.
+            shift = np.int32((low - 2 + 2**31) % 2**32 - 2**31)
             for start in range(0, raw.shape[0], 2**20):
                 block = raw.rows[start : start + 2**20] - shift
                 dense.append(np.log(block, dtype=np.float32))
@@ -79,19 +91,83 @@ def _convert_day(tsv: Path, out: Path, day: int, block_bytes: int) -> None:
         raw_dense.unlink()
 
 
-def _line_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, list[bytes]]]:
-    """``(number of the first line, lines)`` of ``path`` in blocks of about ``block_bytes``."""
+def _text_blocks(path: Path, block_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """``(number of the first line, whole lines)`` of ``path`` in blocks of about
+    ``block_bytes``; a block's lines are joined by newlines, without the last one's."""
     line = 1
     carry = b""
     with open(path, "rb") as file:
         while block := file.read(block_bytes):
-            lines = (carry + block).split(b"\n")
-            carry = lines.pop()  # the unfinished last line
-            if lines:
-                yield line, lines
-                line += len(lines)
+            text = carry + block
+            end = text.rfind(b"\n")
+            carry = text[end + 1 :]  # the unfinished last line
+            if end >= 0:
+                yield line, text[:end]
+                line += text.count(b"\n", 0, end) + 1
     if carry:
-        yield line, [carry]
+        yield line, carry
+
+
+def _parse_text(text: bytes, path: Path, first_line: int) -> tuple[np.ndarray, ...]:
+    """Labels [n, 1] int32, integers [n, 13] int32 and ids [n, 26] int64 of the lines of
+    ``text``. Lines in the canonical form (40 tab-separated fields; decimals an optional
+    ``-`` and at most 10 digits, within 32 bits; hex ids at most 16 digits, below 2**63;
+    empty fields) are parsed by a compiled pass; a block with any other line goes the
+    general way (:func:`_parse`), which parses what it can and names what it cannot, so
+    both give the same arrays and the same errors."""
+    lines = text.count(b"\n") + 1
+    labels = np.empty((lines, 1), np.int32)
+    integers = np.empty((lines, INT_FEATURE_COUNT), np.int32)
+    ids = np.empty((lines, CAT_FEATURE_COUNT), np.int64)
+    if _parse_canonical(np.frombuffer(text, np.uint8), labels, integers, ids) < 0:
+        return labels, integers, ids
+    return _parse(text.split(b"\n"), path, first_line)
+
+
+@njit(cache=True, nogil=True)
+def _parse_canonical(text, labels, integers, ids):
+    """Fill the arrays from ``text``'s lines (:func:`_parse_text`); returns -1, or the
+    first line not in the canonical form (the arrays then hold garbage)."""
+    size = text.size
+    pos = 0
+    for row in range(labels.shape[0]):
+        for field in range(FIELDS):
+            if field <= INT_FEATURE_COUNT:  # the label and the integers: decimal
+                negative = pos < size and text[pos] == 45  # "-"
+                pos += 1 if negative else 0
+                value = 0
+                digits = 0
+                while pos < size and 48 <= text[pos] <= 57 and digits <= 10:
+                    value = value * 10 + (text[pos] - 48)
+                    digits += 1
+                    pos += 1
+                if (negative and digits == 0) or digits > 10:
+                    return row
+                value = -value if negative else value
+                if value < -(2**31) or value >= 2**31:
+                    return row
+                if field == 0:
+                    labels[row, 0] = value
+                else:
+                    integers[row, field - 1] = value
+            else:  # the ids: hexadecimal
+                number = np.uint64(0)
+                digits = 0
+                while pos < size and _HEX[text[pos]] < 16 and digits <= 16:
+                    number = number * np.uint64(16) + np.uint64(_HEX[text[pos]])
+                    digits += 1
+                    pos += 1
+                if digits > 16 or number >= np.uint64(2**63):
+                    return row
+                ids[row, field - 1 - INT_FEATURE_COUNT] = np.int64(number)
+            end = 9 if field < FIELDS - 1 else 10  # a tab, or the newline after the last field
+            if pos < size:
+                if text[pos] != end:
+                    return row
+                pos += 1
+            elif field < FIELDS - 1:
+                return row
+    return -1 if pos == size else labels.shape[0]
 
 
 def _parse(lines: list[bytes], path: Path, first_line: int) -> tuple[np.ndarray, ...]:

@@ -1,0 +1,90 @@
+"""Criteo days, raw TSV, into the ``.npy`` days the example trains on, as TorchRec prepares them.
+
+    python examples/dlrm/preprocess.py --input_dir RAW --output_dir OUT \\
+        --frequency_threshold T [--workers N]
+
+``RAW`` holds ``day_0`` ... ``day_N`` (decompressed TSV). ``OUT`` gets, per
+day, ``day_<n>_dense.npy``, ``day_<n>_labels.npy`` and
+``day_<n>_sparse_contig_freq.npy``: array for array what TorchRec's
+``tsv_to_npys`` per day and then ``sparse_to_contiguous`` over all days with
+threshold ``T`` write (ids seen fewer than ``T`` times become 1, the others
+2, 3, ... per column in order of first occurrence; 0 and 1 mean no threshold;
+MLPerf's DLRM uses 15). It also gets ``num_embeddings_per_feature.txt``: the
+26 table sizes (2 + the ids kept, per column), comma-separated, which
+``dlrm_main.py`` reads from ``--dataset_path OUT`` by itself or takes as
+``--num_embeddings_per_feature OUT/num_embeddings_per_feature.txt``.
+
+Memory is bounded by the distinct ids, not the lines; it runs ``--workers``
+days (and columns) at once, and an interrupted run, started again with the
+same flags, goes on where it stopped (:mod:`torchrec_lookahead.data.contiguous`
+says how, and what memory it takes). Run it before training: training refuses
+raw days. Bad input ends with one ``error:`` line and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from torchrec_lookahead.data.contiguous import CARDINALITY_FILE, preprocess_days
+from torchrec_lookahead.data.npy import DataError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Criteo TSV days -> TorchRec's .npy days with contiguous ids"
+    )
+    p.add_argument("--input_dir", required=True, help="raw days day_0 ... day_N (TSV)")
+    p.add_argument("--output_dir", required=True, help="where the .npy days go")
+    p.add_argument(
+        "--frequency_threshold",
+        type=int,
+        default=0,
+        help="ids seen fewer times than this (over all days) become 1 (0: no threshold; "
+        "MLPerf: 15)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="days (and columns) processed at once; memory grows with it (default: the CPUs)",
+    )
+    p.add_argument("--block_mb", type=float, default=32.0, help="TSV read per block, per worker")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.frequency_threshold < 0:
+        p.error(f"--frequency_threshold must be 0 or more, got {args.frequency_threshold}")
+    if args.workers < 1:
+        p.error(f"--workers must be at least 1, got {args.workers}")
+    if not args.block_mb > 0:
+        p.error(f"--block_mb must be a positive number, got {args.block_mb}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    try:
+        sizes = preprocess_days(
+            args.input_dir,
+            args.output_dir,
+            args.frequency_threshold,
+            workers=args.workers,
+            block_bytes=max(1, int(args.block_mb * 2**20)),
+            progress=not args.quiet,
+        )
+    except (DataError, ValueError, OSError) as error:  # bad data or settings: one line
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"preprocessed {args.input_dir} into {args.output_dir} in "
+        f"{time.perf_counter() - start:.1f} s; table sizes "
+        f"({os.path.join(args.output_dir, CARDINALITY_FILE)}): {','.join(map(str, sizes))}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""Criteo days as TorchRec's users prepare them: raw TSV to ``.npy`` days with contiguous ids.
+
+The result is, array for array, what TorchRec's two steps give (tested):
+``BinaryCriteoUtils.tsv_to_npys`` per day (``day_<n>_dense.npy``,
+``day_<n>_labels.npy``), then ``BinaryCriteoUtils.sparse_to_contiguous`` over
+all the days with the same frequency threshold (``day_<n>_sparse_contig_freq.npy``):
+per column, an id seen at least ``threshold`` times in all the days (every id
+when the threshold is 0 or 1) gets the next integer from 2, in the order of
+its first occurrence (day by day, line by line), and a rarer id gets 1. So a
+column's table needs ``2 + kept ids`` rows (row 0 unused, row 1 the rare
+ids); :func:`preprocess_days` writes the 26 sizes, comma-separated, to
+``num_embeddings_per_feature.txt``.
+
+TorchRec holds all the days in memory at once (as Python dicts). Here, three
+passes, each in parallel:
+
+1. per day, ``workers`` days at once (processes): the TSV streamed in blocks
+   (:func:`~torchrec_lookahead.data.tsv.convert_tsv_day`) into the day's dense
+   and label files (final) and its raw ids (kept for pass 3), while one hash
+   table per column counts the day's distinct ids in the order they first
+   occur (the day's vocabulary, saved);
+2. per column, ``workers`` columns at once (threads: the compiled code runs
+   without the GIL): the days' vocabularies merged in day order into the
+   column's counts, and from them its lookup table (kept id -> contiguous id);
+3. per day, ``workers`` days at once: the raw ids mapped through the lookup
+   tables, a block at a time.
+
+Memory is bounded by the distinct ids, never by the lines. Peak private
+memory, besides the interpreter's:
+
+* pass 1, per worker: a block of text (``block_bytes``, 32 MiB) twice and its
+  parsed rows (about 100 MB in all; several times more for a block with a line
+  off Criteo's form, which the general parser takes), plus 48-96 bytes per
+  distinct (column, id) of its day (144 for a moment while a table doubles);
+* pass 2: 40-80 bytes (120 while doubling) per distinct id of each of the
+  ``workers`` columns being merged, plus that column's vocabulary of one day;
+* pass 3, per worker: two blocks of rows (2**18 lines each, 109 MB); the lookup
+  tables are mapped read-only (page cache, shared by the workers: 16-32 bytes
+  per kept id).
+
+Disk, besides the output (264 bytes a line): the raw ids of the days not yet
+mapped (208 bytes a line) and the vocabularies (16 bytes per distinct
+(column, id) of each day).
+
+Restartable by day, all state in ``<output>/.preprocess/``: each day's pass 1
+and pass 3 end with a marker, pass 2 with one for all columns, and every file
+appears under its name only complete, so a run that is stopped and started
+again with the same flags goes on where it stopped. A run with other flags
+or other input days on the same output folder is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import (
+    Executor,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    as_completed,
+)
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numba import njit
+from tqdm import tqdm
+
+from torchrec_lookahead.data.days import (
+    CAT_FEATURE_COUNT,
+    CONTIGUOUS,
+    PREPROCESS_STATE,
+    raw_day_paths,
+    scan_days,
+)
+from torchrec_lookahead.data.npy import DataError, MappedRows, RowWriter
+from torchrec_lookahead.data.tsv import convert_tsv_day
+from torchrec_lookahead.settings import check_count
+
+__all__ = ["CARDINALITY_FILE", "IdCounts", "preprocess_days", "read_cardinalities"]
+
+CARDINALITY_FILE = "num_embeddings_per_feature.txt"
+MAP_ROWS = 2**18  # lines a pass-3 block maps at once
+_NO_WEIGHTS = np.empty(0, np.int64)
+Job = tuple[Callable[..., Any], tuple[Any, ...]]  # a function and its arguments
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the product's top bits
+
+
+# ------------------------------------------------------------------ compiled kernels
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _slot(key, shift):
+    return np.int64((np.uint64(key) * _GOLDEN) >> np.uint64(shift))
+
+
+@njit(cache=True, nogil=True)
+def _count(values, weights, start, keys, where, counts, ids, size, shift):
+    """Count ``values[start:]`` (each by its ``weights`` entry, or 1 when there are none)
+    into the table: a new key takes index ``size`` (and is recorded in ``ids`` when that
+    is not empty). Stops before a new key would fill the table past half; returns
+    ``(values consumed, size)``."""
+    mask = keys.size - 1
+    limit = keys.size // 2
+    weighted = weights.size > 0
+    record = ids.size > 0
+    for i in range(start, values.size):
+        key = values[i]
+        add = weights[i] if weighted else 1
+        h = _slot(key, shift)
+        while True:
+            w = where[h]
+            if w < 0:
+                if size == limit:
+                    return i, size
+                keys[h] = key
+                where[h] = size
+                counts[size] = add
+                if record:
+                    ids[size] = key
+                size += 1
+                break
+            if keys[h] == key:
+                counts[w] += add
+                break
+            h = (h + 1) & mask
+    return values.size, size
+
+
+@njit(cache=True, nogil=True)
+def _rehash(keys, where, mapped, skip, new_keys, new_values, shift):
+    """Put every key of one table into another, its value ``mapped[index]`` (the index
+    itself when ``mapped`` is empty), leaving out keys whose value is ``skip``."""
+    mask = new_keys.size - 1
+    remap = mapped.size > 0
+    for j in range(keys.size):
+        w = where[j]
+        if w < 0:
+            continue
+        value = mapped[w] if remap else w
+        if value == skip:
+            continue
+        h = _slot(keys[j], shift)
+        while new_values[h] >= 0:
+            h = (h + 1) & mask
+        new_keys[h] = keys[j]
+        new_values[h] = value
+
+
+@njit(cache=True, nogil=True)
+def _lookup(values, keys, table, shift, absent, out):
+    """``out[i]``: the value of ``values[i]`` in the table, ``absent`` where it has none;
+    returns -1, or the first position with no value when ``absent`` < 0."""
+    mask = keys.size - 1
+    for i in range(values.size):
+        key = values[i]
+        h = _slot(key, shift)
+        while True:
+            value = table[h]
+            if value < 0:
+                if absent < 0:
+                    return i
+                out[i] = absent
+                break
+            if keys[h] == key:
+                out[i] = value
+                break
+            h = (h + 1) & mask
+    return -1
+
+
+# ------------------------------------------------------------------ counting ids
+
+
+class IdCounts:
+    """Distinct int64 ids and how often each occurs, in the order they first occur: an
+    open-addressing hash table at most half full, 40-80 bytes per distinct id (48-96
+    with ``record_ids``, which keeps the ids in that order)."""
+
+    def __init__(self, record_ids: bool = False, capacity: int = 1024) -> None:
+        self.record_ids = record_ids
+        self.size = 0
+        self._allocate(max(2, 1 << (capacity - 1).bit_length()))
+
+    def _allocate(self, capacity: int) -> None:
+        self.keys = np.empty(capacity, np.int64)
+        self.where = np.full(capacity, -1, np.int64)  # index of the slot's key; -1: free
+        self.counts = np.zeros(capacity // 2, np.int64)
+        self.ids = np.empty(capacity // 2 if self.record_ids else 0, np.int64)
+        self.shift = 64 - (capacity.bit_length() - 1)
+
+    def add(self, values: np.ndarray, weights: np.ndarray | None = None) -> None:
+        """Count ``values`` (1-D int64, any stride), each ``weights[i]`` times if given."""
+        weights = _NO_WEIGHTS if weights is None else weights
+        start = 0
+        while True:
+            start, self.size = _count(
+                values,
+                weights,
+                start,
+                self.keys,
+                self.where,
+                self.counts,
+                self.ids,
+                self.size,
+                self.shift,
+            )
+            if start == len(values):
+                return
+            self._grow()
+
+    def _grow(self) -> None:
+        keys, where, counts, ids = self.keys, self.where, self.counts, self.ids
+        self._allocate(2 * keys.size)
+        _rehash(keys, where, _NO_WEIGHTS, -2, self.keys, self.where, self.shift)
+        self.counts[: self.size] = counts[: self.size]
+        self.ids[: ids.size] = ids
+
+    def lookup_table(self, threshold: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(keys, values, cardinality)``: a table from each id counted at least ``threshold``
+        times (every id for a threshold of 0 or 1) to its contiguous id (2, 3, ... in order
+        of first occurrence), and the table size that takes them all (ids 0 and 1 included).
+        Ids left out are the rare ones, which map to 1."""
+        counts = self.counts[: self.size]
+        kept = counts >= threshold if threshold > 1 else np.ones(self.size, bool)
+        mapped = np.where(kept, 1 + np.cumsum(kept), 1)
+        entries = int(kept.sum())
+        capacity = max(2, 1 << (2 * entries - 1).bit_length())
+        keys = np.zeros(capacity, np.int64)
+        values = np.full(capacity, -1, np.int64)
+        _rehash(self.keys, self.where, mapped, 1, keys, values, 64 - (capacity.bit_length() - 1))
+        return keys, values, 2 + entries
+
+
+def _shift(table: np.ndarray) -> int:
+    return 64 - (table.size.bit_length() - 1)
+
+
+# ------------------------------------------------------------------ the three passes
+
+
+def preprocess_days(
+    input_dir: str | Path,
+    output_dir: str | Path,
+    frequency_threshold: int,
+    workers: int = 1,
+    block_bytes: int = 32 * 2**20,
+    progress: bool = True,
+) -> list[int]:
+    """Preprocess the raw days of ``input_dir`` into ``output_dir`` (the module docstring);
+    returns the 26 table sizes. Days already done are kept. Bad input (the day set, the
+    settings, an output folder holding other data) is refused before anything is written."""
+    threshold = check_count("frequency_threshold", frequency_threshold, 0)
+    workers = check_count("workers", workers, 1)
+    tsvs = raw_day_paths(input_dir)
+    out = Path(output_dir)
+    state = out / PREPROCESS_STATE
+    settings = {"frequency_threshold": threshold, "days": [p.name for p in tsvs]}
+    _check_output(out, state, settings, tsvs)
+    if (state / "done").exists():
+        return read_cardinalities(out / CARDINALITY_FILE)
+    state.mkdir(parents=True, exist_ok=True)
+    if not (state / "state.json").exists():
+        _write_text(state / "state.json", json.dumps(settings, indent=1))
+    _warm_kernels()  # compiled once here, before any worker is forked
+
+    todo = [d for d in range(len(tsvs)) if not (state / f"day_{d}.counted").exists()]
+    counting: list[Job] = [
+        (_convert_and_count, (tsvs[d], state, out, d, block_bytes)) for d in todo
+    ]
+    _run(counting, workers, processes=True, desc="1/3 convert, count ids", progress=progress)
+
+    if not (state / "tables.done").exists():
+        merging: list[Job] = [
+            (_column_table, (state, len(tsvs), c, threshold)) for c in range(CAT_FEATURE_COUNT)
+        ]
+        sizes = _run(merging, workers, processes=False, desc="2/3 merge columns", progress=progress)
+        _write_text(out / CARDINALITY_FILE, ",".join(map(str, sizes)) + "\n")
+        (state / "tables.done").write_text("")
+    for d in range(len(tsvs)):
+        (state / f"day_{d}.vocab.npz").unlink(missing_ok=True)
+
+    todo = [d for d in range(len(tsvs)) if not (state / f"day_{d}.mapped").exists()]
+    mapping: list[Job] = [(_map_day, (state, out, d, threshold)) for d in todo]
+    _run(mapping, workers, processes=True, desc="3/3 map ids", progress=progress)
+
+    for c in range(CAT_FEATURE_COUNT):
+        for part in ("keys", "values"):
+            (state / f"column_{c}.{part}.npy").unlink(missing_ok=True)
+    for d in range(len(tsvs)):  # a day mapped just before a stop may have left its raw ids
+        (state / f"day_{d}_sparse.npy").unlink(missing_ok=True)
+    (state / "done").write_text("")
+    return read_cardinalities(out / CARDINALITY_FILE)
+
+
+def read_cardinalities(path: str | Path) -> list[int]:
+    """The 26 table sizes of a cardinality file (comma-separated positive integers)."""
+    text = Path(path).read_bytes()[:4096].decode(errors="replace").strip()
+    sizes = text.split(",")
+    if len(sizes) != CAT_FEATURE_COUNT or not all(
+        s.strip().isdigit() and int(s) > 0 for s in sizes
+    ):
+        raise DataError(
+            f"{path}: expected {CAT_FEATURE_COUNT} comma-separated positive "
+            f"integers, found {text[:80]!r}"
+        )
+    return [int(s) for s in sizes]
+
+
+def _check_output(out: Path, state: Path, settings: dict[str, Any], tsvs: list[Path]) -> None:
+    """Refuse an output folder this preprocessing cannot (re)write: a file, a run with
+    other settings or from days that changed since, or ``.npy`` days another tool wrote."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out}: is a file, not a folder")
+    recorded = state / "state.json"
+    if recorded.exists():
+        before = json.loads(recorded.read_text())
+        changed = [
+            f"{key} {_shown(before.get(key))} (now {_shown(value)})"
+            for key, value in settings.items()
+            if before.get(key) != value
+        ]
+        for day, tsv in enumerate(tsvs):
+            marker = state / f"day_{day}.counted"
+            if not changed and marker.exists() and marker.read_text() != _fingerprint(tsv):
+                changed.append(f"{tsv.name}, which changed since it was converted")
+        if changed:
+            raise DataError(
+                f"{out} holds a preprocessing with other {'; '.join(changed)}: rerun with "
+                "the flags and days that started it, choose another --output_dir, or remove "
+                "it to start again"
+            )
+        return
+    if out.exists():
+        found = scan_days(out)
+        if found.npy or (out / CARDINALITY_FILE).exists():
+            raise DataError(
+                f"{out} already holds .npy days that this preprocessing did not write: "
+                "choose an empty --output_dir"
+            )
+
+
+def _fingerprint(tsv: Path) -> str:
+    """What a day's marker records of the text it was converted from."""
+    return json.dumps({"name": tsv.name, "bytes": tsv.stat().st_size})
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list) and len(value) > 3:
+        return f"{value[0]} .. {value[-1]} ({len(value)} days)"
+    return str(value)
+
+
+def _run(
+    jobs: Sequence[Job],
+    workers: int,
+    processes: bool,
+    desc: str,
+    progress: bool,
+) -> list[Any]:
+    """Run ``jobs`` (function, arguments), ``workers`` at a time (forked processes or
+    threads; in this thread when one), and return their results in order. The first
+    error cancels the jobs not started and is raised once the running ones end."""
+    bar = tqdm(total=len(jobs), desc=desc, unit="job", disable=not progress or not jobs)
+    try:
+        if workers == 1 or len(jobs) <= 1:
+            results = []
+            for function, arguments in jobs:
+                results.append(function(*arguments))
+                bar.update()
+            return results
+        pool: Executor
+        if processes:
+            pool = ProcessPoolExecutor(
+                min(workers, len(jobs)), mp_context=multiprocessing.get_context("fork")
+            )
+        else:
+            pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="preprocess")
+        with pool:
+            futures: list[Future] = [pool.submit(f, *a) for f, a in jobs]
+            try:
+                for future in as_completed(futures):
+                    future.result()
+                    bar.update()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+            return [f.result() for f in futures]
+    finally:
+        bar.close()
+
+
+def _convert_and_count(tsv: Path, state: Path, out: Path, day: int, block_bytes: int) -> None:
+    """Pass 1 for one day: its dense and label files into ``out``, its raw ids and its
+    vocabulary (per column: distinct ids in order of first occurrence, and counts)
+    into ``state``."""
+    columns = [IdCounts(record_ids=True) for _ in range(CAT_FEATURE_COUNT)]
+
+    def count(ids: np.ndarray) -> None:
+        for column, counts in enumerate(columns):
+            counts.add(ids[:, column])
+
+    convert_tsv_day(tsv, state, day, block_bytes, on_ids=count)
+    vocabulary: dict[str, Any] = {}
+    for column, counts in enumerate(columns):
+        vocabulary[f"ids_{column}"] = counts.ids[: counts.size]
+        vocabulary[f"counts_{column}"] = counts.counts[: counts.size]
+    _write_atomically(state / f"day_{day}.vocab.npz", lambda f: np.savez(f, **vocabulary))
+    for kind in ("dense", "labels"):
+        os.replace(state / f"day_{day}_{kind}.npy", out / f"day_{day}_{kind}.npy")
+    (state / f"day_{day}.counted").write_text(_fingerprint(tsv))
+
+
+def _column_table(state: Path, days: int, column: int, threshold: int) -> int:
+    """Pass 2 for one column: the days' vocabularies merged in day order, its lookup table
+    saved; returns the column's table size."""
+    counts = IdCounts()
+    for day in range(days):
+        with np.load(state / f"day_{day}.vocab.npz") as vocabulary:
+            counts.add(vocabulary[f"ids_{column}"], vocabulary[f"counts_{column}"])
+    keys, values, size = counts.lookup_table(threshold)
+    del counts
+    _write_atomically(state / f"column_{column}.keys.npy", lambda f: np.save(f, keys))
+    _write_atomically(state / f"column_{column}.values.npy", lambda f: np.save(f, values))
+    return size
+
+
+def _map_day(state: Path, out: Path, day: int, threshold: int) -> None:
+    """Pass 3 for one day: its raw ids through the columns' lookup tables."""
+    tables = [
+        tuple(
+            np.load(state / f"column_{c}.{part}.npy", mmap_mode="r") for part in ("keys", "values")
+        )
+        for c in range(CAT_FEATURE_COUNT)
+    ]
+    absent = 1 if threshold > 1 else -1  # below the threshold: 1; otherwise every id is there
+    raw = MappedRows(state / f"day_{day}_sparse.npy")
+    try:
+        with RowWriter(out / f"day_{day}_{CONTIGUOUS}.npy", np.int64, CAT_FEATURE_COUNT) as mapped:
+            for start in range(0, raw.shape[0], MAP_ROWS):
+                block = np.array(raw.rows[start : start + MAP_ROWS])  # no view outlives the map
+                result = np.empty(block.shape, np.int64)
+                for c, (keys, values) in enumerate(tables):
+                    bad = _lookup(block[:, c], keys, values, _shift(keys), absent, result[:, c])
+                    if bad >= 0:
+                        raise DataError(
+                            f"{raw.path}: id {block[bad, c]} of column {c} (line "
+                            f"{start + bad + 1}) was never counted: the state in "
+                            f"{state} is damaged; remove it to start again"
+                        )
+                mapped.append(result)
+                raw.done_with(start, start + MAP_ROWS)
+    finally:
+        raw.close()
+    (state / f"day_{day}.mapped").write_text("")
+    (state / f"day_{day}_sparse.npy").unlink()
+
+
+def _warm_kernels() -> None:
+    """Compile (or load) the kernels for the argument types the passes use."""
+    counts = IdCounts(record_ids=True, capacity=2)
+    block = np.arange(12, dtype=np.int64).reshape(4, 3)
+    counts.add(block[:, 1])
+    counts.add(np.arange(3, dtype=np.int64), np.ones(3, np.int64))
+    keys, values, _ = counts.lookup_table(2)
+    for array in (keys, values, block):  # as mapped from their files
+        array.flags.writeable = False
+    _lookup(block[:, 1], keys, values, _shift(keys), 1, np.empty((4, 3), np.int64)[:, 1])
+
+
+def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as file:
+        write(file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    _write_atomically(path, lambda f: f.write(text.encode()))
