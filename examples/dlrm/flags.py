@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+import torch
 from checkpoint import latest
 from faults import first_attempt
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
@@ -158,6 +159,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--baseline", action="store_true", help="also train plain TorchRec and compare")
     p.add_argument(
+        "--sharding_type",
+        choices=("table_wise", "row_wise"),
+        default="table_wise",
+        help="how both models shard every table (row_wise: each table's rows split over "
+        "the ranks; on CUDA only, where TorchRec's sharder offers it)",
+    )
+    p.add_argument(
         "--torchrec_plan",
         action="store_true",
         help="plan the --baseline model with TorchRec's planner as it likes (data-"
@@ -251,6 +259,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "shuffle_chunk",
     ):
         positive(name)
+    if args.sharding_type == "row_wise" and not torch.cuda.is_available():
+        p.error("--sharding_type row_wise needs CUDA (TorchRec shards row-wise only there)")
     if args.keep_checkpoints < 0:
         p.error(f"--keep_checkpoints must be 0 (keep all) or more, got {args.keep_checkpoints}")
     if args.num_workers < 0:

@@ -75,7 +75,9 @@ def cache_planner(args, days, world_size: int, device: torch.device):
     }
     optimizer = embedding_optimizer(args)
     budget = None if args.cache_budget_mb is None else int(args.cache_budget_mb * 2**20)
-    table_wise = {t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables(args)}
+    sharding = {
+        t.name: ParameterConstraints(sharding_types=[args.sharding_type]) for t in tables(args)
+    }
     return lookahead_planner(
         Topology(world_size=world_size, compute_device=device.type),
         args.batch_size,
@@ -84,7 +86,7 @@ def cache_planner(args, days, world_size: int, device: torch.device):
         optimizer,
         args.step_compute_ms,
         budget,
-        table_wise,
+        sharding,
     )
 
 
@@ -180,10 +182,10 @@ def build(
     apply_optimizer_in_backward(
         embedding_optimizer, model.model.sparse_arch.parameters(), {"lr": args.learning_rate}
     )
-    # Both models get the same plan (table-wise, fused), so they can be compared.
+    # Both models get the same plan (--sharding_type, fused), so they can be compared.
     kernel = "fused_uvm_caching" if device.type == "cuda" else "fused"
     same_plan = {
-        t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[kernel])
+        t.name: ParameterConstraints(sharding_types=[args.sharding_type], compute_kernels=[kernel])
         for t in tables(args)
     }
     free = not lookahead and args.torchrec_plan  # TorchRec's own choice of sharding
