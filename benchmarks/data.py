@@ -43,12 +43,16 @@ def write_days(folder: Path, gigabytes: float, days: int, scale: float, seed: in
     per_day = int(gigabytes * 2**30 / SAMPLE_BYTES / days)
     source = SyntheticCriteo(scale=scale, seed=seed)
     weights = np.linspace(-0.8, 0.8, 13)
-    bar = tqdm(total=per_day * days, desc=f"write {gigabytes:g} GB", unit="sample",
-               unit_scale=True)  # fmt: skip
+    bar = tqdm(total=per_day * days, desc=f"write {gigabytes:g} GB", unit="sample", unit_scale=True)
     for day in range(days):
-        files = [RowWriter(folder / f"day_{day}_{kind}.npy", dtype, columns)
-                 for kind, dtype, columns in (("dense", np.float32, 13), ("sparse", np.int64, 26),
-                                              ("labels", np.int32, 1))]  # fmt: skip
+        files = [
+            RowWriter(folder / f"day_{day}_{kind}.npy", dtype, columns)
+            for kind, dtype, columns in (
+                ("dense", np.float32, 13),
+                ("sparse", np.int64, 26),
+                ("labels", np.int32, 1),
+            )
+        ]
         for piece, start in enumerate(range(0, per_day, PIECE)):
             n = min(PIECE, per_day - start)
             rng = np.random.default_rng([seed, day, piece])
@@ -91,8 +95,14 @@ def peak_private_memory(peaks: dict[int, dict]):
                 rank = _rank(rank_of)
             except (OSError, ValueError):
                 continue
-            anon = next((int(line.split()[1]) for line in status.splitlines()
-                         if line.startswith("RssAnon:")), None)  # fmt: skip
+            anon = next(
+                (
+                    int(line.split()[1])
+                    for line in status.splitlines()
+                    if line.startswith("RssAnon:")
+                ),
+                None,
+            )
             if anon is None:  # exiting: no memory left to count
                 continue
             entry = peaks.setdefault(pid, {"role": role, "rank": rank, "kb": 0})
@@ -137,93 +147,142 @@ def main() -> None:
         for _ in tqdm(range(args.repeats), desc="repeats"):
             for name, world_size, workers in settings:  # alternating, in blocks
                 peaks: dict[int, dict] = {}
-                flags = ["--dataset_path", str(folders[name]), "--num_embeddings_per_feature",
-                         tables, "--batch_size", str(args.batch_size), "--limit_train_batches",
-                         str(args.steps), "--limit_val_batches", "2", "--limit_test_batches", "2",
-                         "--shuffle", "--shuffle_chunk", str(args.shuffle_chunk),
-                         "--num_workers", str(workers)]  # fmt: skip
-                _, summary = run_example(work, world_size, flags,
-                                         watch=peak_private_memory(peaks))  # fmt: skip
+                flags = [
+                    "--dataset_path",
+                    str(folders[name]),
+                    "--num_embeddings_per_feature",
+                    tables,
+                    "--batch_size",
+                    str(args.batch_size),
+                    "--limit_train_batches",
+                    str(args.steps),
+                    "--limit_val_batches",
+                    "2",
+                    "--limit_test_batches",
+                    "2",
+                    "--shuffle",
+                    "--shuffle_chunk",
+                    str(args.shuffle_chunk),
+                    "--num_workers",
+                    str(workers),
+                ]
+                _, summary = run_example(work, world_size, flags, watch=peak_private_memory(peaks))
                 runs[name, world_size, workers].append(measure(summary, peaks, world_size))
     finally:
         for folder in folders.values():
             shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-    results = [summarise(name, sizes[name], samples[name], w, k, runs[name, w, k])
-               for name, w, k in settings]  # fmt: skip
-    report = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "settings": vars(args),
-              "results": results, "goals": goals(results)}  # fmt: skip
+    results = [
+        summarise(name, sizes[name], samples[name], w, k, runs[name, w, k])
+        for name, w, k in settings
+    ]
+    report = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "settings": vars(args),
+        "results": results,
+        "goals": goals(results),
+    }
     (args.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     print_table(report)
 
 
 def measure(summary: dict, peaks: dict[int, dict], world_size: int) -> dict:
     run = summary["runs"][0]
-    ranks = [max((e["kb"] for e in peaks.values() if e["role"] == "rank" and e["rank"] == r),
-                 default=0) / 1024 for r in range(world_size)]  # fmt: skip
-    workers = [max((e["kb"] for e in peaks.values() if e["role"] == "worker" and e["rank"] == r),
-                   default=0) / 1024 for r in range(world_size)]  # fmt: skip
+    ranks = [
+        max((e["kb"] for e in peaks.values() if e["role"] == "rank" and e["rank"] == r), default=0)
+        / 1024
+        for r in range(world_size)
+    ]
+    workers = [
+        max(
+            (e["kb"] for e in peaks.values() if e["role"] == "worker" and e["rank"] == r), default=0
+        )
+        / 1024
+        for r in range(world_size)
+    ]
     steps = run["step_s"][1:]
     return {
         "samples_per_s": run["samples"] / len(run["step_s"]) * len(steps) / sum(steps),
         "step_ms": 1000 * statistics.median(steps),
-        "loader_wait_ms": run["loader_wait_ms_per_step"],
+        "data_wait_ms": run["data_wait_ms_per_step"],
         "rank_private_mb": ranks,
         "worker_private_mb": workers,
     }
 
 
-def summarise(name: str, gb: float, samples: int, world_size: int, workers: int,
-              runs: list[dict]) -> dict:  # fmt: skip
+def summarise(
+    name: str, gb: float, samples: int, world_size: int, workers: int, runs: list[dict]
+) -> dict:
     def median(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
     def peak(key: str) -> list[float]:
         return [max(r[key][rank] for r in runs) for rank in range(world_size)]
 
-    step_ms, wait_ms = median("step_ms"), median("loader_wait_ms")
+    step_ms, wait_ms = median("step_ms"), median("data_wait_ms")
     return {
-        "data": name, "gigabytes": gb, "samples": samples, "world_size": world_size,
-        "num_workers": workers, "runs": len(runs), "samples_per_s": median("samples_per_s"),
-        "step_ms": step_ms, "loader_wait_ms": wait_ms, "loader_wait_share": wait_ms / step_ms,
-        "rank_private_mb": peak("rank_private_mb"), "worker_private_mb": peak("worker_private_mb"),
-    }  # fmt: skip
+        "data": name,
+        "gigabytes": gb,
+        "samples": samples,
+        "world_size": world_size,
+        "num_workers": workers,
+        "runs": len(runs),
+        "samples_per_s": median("samples_per_s"),
+        "step_ms": step_ms,
+        "data_wait_ms": wait_ms,
+        "data_wait_share": wait_ms / step_ms,
+        "rank_private_mb": peak("rank_private_mb"),
+        "worker_private_mb": peak("worker_private_mb"),
+    }
 
 
 def goals(results: list[dict]) -> dict:
     """The issue's goals: the large set's rank private memory within 10% of the small
-    set's, per world size and worker count; loader wait at most 2% of the step with
+    set's, per world size and worker count; data wait at most 2% of the step with
     workers."""
     memory = {}
     for r in results:
         if r["data"] != "large":
             continue
         same = (r["world_size"], r["num_workers"])
-        small = next(s for s in results
-                     if s["data"] == "small" and (s["world_size"], s["num_workers"]) == same)
+        small = next(
+            s
+            for s in results
+            if s["data"] == "small" and (s["world_size"], s["num_workers"]) == same
+        )
         ratio = max(r["rank_private_mb"]) / max(small["rank_private_mb"])
         memory[f"ws{r['world_size']}_workers{r['num_workers']}"] = ratio
-    waits = {f"{r['data']}_ws{r['world_size']}_workers{r['num_workers']}": r["loader_wait_share"]
-             for r in results if r["num_workers"] >= 1}  # fmt: skip
+    waits = {
+        f"{r['data']}_ws{r['world_size']}_workers{r['num_workers']}": r["data_wait_share"]
+        for r in results
+        if r["num_workers"] >= 1
+    }
     return {
         "private_memory_large_over_small": memory,
         "private_memory_within_10_percent": all(v <= 1.10 for v in memory.values()),
-        "loader_wait_share_with_workers": waits,
-        "loader_wait_at_most_2_percent": all(v <= 0.02 for v in waits.values()),
+        "data_wait_share_with_workers": waits,
+        "data_wait_at_most_2_percent": all(v <= 0.02 for v in waits.values()),
     }
 
 
 def print_table(report: dict) -> None:
-    print(f"\nData larger than memory ({report['machine']['cpu']}, {report['date']}); medians of "
-          f"{report['settings']['repeats']} runs, peak private memory over them")  # fmt: skip
-    print(f"{'data':>14} {'ws':>3} {'workers':>7} {'samples/s':>10} {'step ms':>8} "
-          f"{'wait ms':>8} {'wait %':>7} {'rank MB':>16} {'worker MB':>16}")  # fmt: skip
+    print(
+        f"\nData larger than memory ({report['machine']['cpu']}, {report['date']}); medians of "
+        f"{report['settings']['repeats']} runs, peak private memory over them"
+    )
+    print(
+        f"{'data':>14} {'ws':>3} {'workers':>7} {'samples/s':>10} {'step ms':>8} "
+        f"{'wait ms':>8} {'wait %':>7} {'rank MB':>16} {'worker MB':>16}"
+    )
     for r in report["results"]:
         ranks = "/".join(f"{m:,.0f}" for m in r["rank_private_mb"])
         workers = "/".join(f"{m:,.0f}" for m in r["worker_private_mb"])
-        print(f"{r['gigabytes']:>11g} GB {r['world_size']:>3} {r['num_workers']:>7} "
-              f"{r['samples_per_s']:>10,.0f} {r['step_ms']:>8.2f} {r['loader_wait_ms']:>8.3f} "
-              f"{100 * r['loader_wait_share']:>6.2f}% {ranks:>16} {workers:>16}")  # fmt: skip
+        print(
+            f"{r['gigabytes']:>11g} GB {r['world_size']:>3} {r['num_workers']:>7} "
+            f"{r['samples_per_s']:>10,.0f} {r['step_ms']:>8.2f} {r['data_wait_ms']:>8.3f} "
+            f"{100 * r['data_wait_share']:>6.2f}% {ranks:>16} {workers:>16}"
+        )
     print(json.dumps(report["goals"], indent=1))
 
 

@@ -33,7 +33,7 @@ The orderings, as the pipeline uses them:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -121,10 +121,11 @@ class StreamBackend:
         """The index of the calling thread's current device of ``device``'s type."""
         return int(torch.get_device_module(device).current_device())
 
-    def record_use(self, parts: list[Any], device: torch.device) -> None:
+    def record_use(self, parts: Iterable[Any], device: torch.device) -> None:
         """Mark ``parts`` (tensors, or objects with TorchRec's ``record_stream``) as used
         on the calling thread's current stream of ``device``. The CPU's memory has no
-        streams, and its tensors no ``record_stream``: nothing to do there."""
+        streams, and its tensors no ``record_stream``: nothing to do there (``parts`` is
+        not even walked)."""
         if device.type == "cpu":
             return
         stream = torch.get_device_module(device).current_stream(device)
@@ -168,7 +169,7 @@ def record_use(value: Any, device: torch.device | str) -> None:
     (their fields), mappings (their values), lists and tuples. Anything else holds
     nothing the step reads from device memory.
     """
-    _BACKEND.record_use(list(_parts(value, set())), normalize(device))
+    _BACKEND.record_use(_parts(value, set()), normalize(device))  # walked where needed
 
 
 def _parts(value: Any, seen: set[int]) -> Iterator[Any]:

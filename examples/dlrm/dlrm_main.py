@@ -26,7 +26,6 @@ import notices  # noqa: F401  (first: TorchRec warns while it is imported)
 
 # isort: on
 import argparse
-import itertools
 import json
 import os
 import socket
@@ -53,7 +52,7 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from tqdm import tqdm
 
 from torchrec_lookahead import LookaheadTrainPipeline
-from torchrec_lookahead.data.criteo import CriteoDayReader, DayFiles, find_days
+from torchrec_lookahead.data.criteo import DayFiles, find_days
 from torchrec_lookahead.data.npy import DataError
 from torchrec_lookahead.determinism import deterministic_cuda
 from torchrec_lookahead.store.files import anonymous_rss_bytes
@@ -101,23 +100,18 @@ def dataset(args: argparse.Namespace, rank: int) -> list[DayFiles]:
     return find_days(shared[0])
 
 
-def metered(
-    batches: Iterator[Batch], run: Run, dedup: bool, read: CriteoDayReader, start: int
-) -> Iterator[Batch]:
-    """``batches`` (steps ``start, start + 1, ...`` of ``read``), timing the wait for each
-    (``run.loader_wait_s``) and counting what --dedup saved.
-
-    The wait is how long after it was asked for the reader finished the batch (0 if
-    it had it ready): the time the lookahead stage waited for data. (Not the wall
-    time of the call: the stage's thread runs at idle priority and shares the
-    interpreter with the trainer, so its calls take long for reasons not the data's.)
-    """
-    for step in itertools.count(start):
-        asked = time.monotonic()
+def metered(batches: Iterator[Batch], run: Run, dedup: bool, waited: bool) -> Iterator[Batch]:
+    """``batches``, counting what --dedup saved and, when ``waited`` (the trainer's own
+    thread reads them: plain TorchRec's pipeline), timing each read into
+    ``run.data_wait_s``. The lookahead stage reads on its own thread; there the trainer's
+    wait for data is its wait for the stage (``train``)."""
+    while True:
+        asked = time.perf_counter()
         batch = next(batches, None)
         if batch is None:
             return
-        run.loader_wait_s.append(max(0.0, read.finished_at(step) - asked))
+        if waited:
+            run.data_wait_s.append(time.perf_counter() - asked)
         if dedup:
             run.dedup.add(batch.sparse_features)
         yield batch
@@ -156,7 +150,7 @@ def train(
             f"--resume: the checkpoint is at step {start_step}, past this run's {total} steps"
         )
     loader = train_reader.loader(start_step, total, args.num_workers)
-    batches = metered(iter(loader), run, args.dedup, train_reader, start_step)  # workers start
+    batches = metered(iter(loader), run, args.dedup, waited=not lookahead)  # workers start
     schedule = RateSchedule(
         optimizer,
         args.learning_rate,
@@ -165,24 +159,25 @@ def train(
         args.lr_decay_steps,
     )
     bar = tqdm(desc=f"train {name}", total=total - start_step, unit="step", disable=rank != 0)
-    step, first_stage_s = start_step, 0.0
+    step = start_step
     dmp.train()
     with CollectiveBytes() as sent:  # every thread's collectives, the stage's too
         while True:
             if schedule.active:
                 schedule.set(step)
             start = time.perf_counter()
+            staged = pipeline.timings["stage_s"] if lookahead else 0.0
             try:
                 pipeline.progress(batches)
             except StopIteration:
                 break
             elapsed = time.perf_counter() - start
+            if lookahead:  # the trainer's wait for the stage: data read, planned, distributed
+                run.data_wait_s.append(pipeline.timings["stage_s"] - staged)
             step += 1
             run.step_s.append(elapsed)
             run.seconds += elapsed
             run.samples += args.batch_size * world_size
-            if lookahead and step == start_step + 1:
-                first_stage_s = pipeline.timings["stage_s"]
             if step % 20 == 1:  # the cache counters are summed over tables: not every step
                 run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
                 postfix = {"samples/s": f"{args.batch_size * world_size / elapsed:,.0f}"}
@@ -210,10 +205,9 @@ def train(
             "rows_fetched_per_step": metrics.rows_fetched / steps,
             "rows_written_back_per_step": metrics.rows_written_back / steps,
             "executor_wait_ms_per_step": 1000 * metrics.wait_s / steps,
-            # The first step waits for the whole window to be planned; the rest only for
-            # what the stage thread has not planned ahead: planning on the critical path.
-            "window_fill_ms": 1000 * first_stage_s,
-            "stage_ms_per_step": 1000 * (metrics.stage_s - first_stage_s) / max(steps - 1, 1),
+            # The first step waits for the whole window to be planned (the rest: the
+            # summary's data wait).
+            "window_fill_ms": 1000 * run.data_wait_s[0] if run.data_wait_s else 0.0,
             "planning_ms_per_step": 1000 * metrics.plan_s / steps,
         }
         if checkpointer:

@@ -18,7 +18,9 @@ from torchrec_lookahead.data.contiguous import CARDINALITY_FILE, read_cardinalit
 from torchrec_lookahead.data.days import npy_day_paths
 from torchrec_lookahead.data.npy import DataError
 
-__all__ = ["MODEL_FILE", "model_config", "parse_args"]
+__all__ = ["MODEL_FILE", "loader_workers", "model_config", "parse_args"]
+
+CORES_FOR_A_WORKER = 4  # cores per rank from which a loader worker is the default
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,9 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--num_workers",
         type=int,
-        default=0,
+        default=None,
         help="DataLoader worker processes reading, building and deduplicating batches "
-        "(0: the lookahead stage's thread does it)",
+        "(0: the lookahead stage's thread does it). Default: 1 where a rank has at least "
+        f"{CORES_FOR_A_WORKER} cores of this host to itself, else 0 (see loader_workers)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print_sharding_plan", action="store_true")
@@ -263,7 +266,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--sharding_type row_wise needs CUDA (TorchRec shards row-wise only there)")
     if args.keep_checkpoints < 0:
         p.error(f"--keep_checkpoints must be 0 (keep all) or more, got {args.keep_checkpoints}")
-    if args.num_workers < 0:
+    if args.num_workers is None:
+        args.num_workers = loader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    elif args.num_workers < 0:
         p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     for name in ("scale", "zipf", "learning_rate", "cache_budget_mb", "link_gbps"):
         positive_number(name)
@@ -381,6 +386,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "flags that wrote it, or choose another --save_dir"
         )
     return args
+
+
+def loader_workers(local_ranks: int, cores: int | None = None) -> int:
+    """Loader workers per rank by default: one where each of the host's ``local_ranks``
+    has ``CORES_FOR_A_WORKER`` cores (the trainer's, the lookahead stage's, the
+    worker's, and one for the rest), else none. On fewer cores a worker takes cycles
+    from the trainer or the stage: on the 2-core machine this project is measured on,
+    one worker lowered the demo's samples/s for both plain TorchRec and lookahead
+    (docs/guides/large-data.md)."""
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return 1 if cores // max(local_ranks, 1) >= CORES_FOR_A_WORKER else 0
 
 
 def table_sizes(value: str) -> list[int]:

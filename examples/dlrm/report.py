@@ -29,7 +29,7 @@ class Run:
     checkpoint_stall_s: list[float] = field(default_factory=list)  # per save, slowest rank
     private_mb: float = 0.0  # the most anonymous RSS seen (sampled every 20 steps), rank 0
     dedup: DedupCounts = field(default_factory=DedupCounts)  # --dedup: what it saved, rank 0
-    loader_wait_s: list[float] = field(default_factory=list)  # per batch read, rank 0
+    data_wait_s: list[float] = field(default_factory=list)  # per step, rank 0's trainer
     bytes_per_step: dict[str, float] = field(default_factory=dict)  # sent per rank, by kind
     hot_share: float | None = None  # share of the lookups the replicated hot rows served
 
@@ -44,9 +44,10 @@ class Run:
         return per_step * (len(self.step_s) - 1) / later if later > 0 else 0.0
 
     @property
-    def loader_wait_ms_per_step(self) -> float:
-        """Mean wait for a batch after the first (which starts the loader's workers)."""
-        later = self.loader_wait_s[1:]
+    def data_wait_ms_per_step(self) -> float:
+        """Mean time the trainer waited for its next batch, after the first step (which
+        starts the loader's workers and, with lookahead, fills the window)."""
+        later = self.data_wait_s[1:]
         return 1000 * sum(later) / len(later) if later else 0.0
 
 
@@ -64,9 +65,8 @@ def cells(run: Run, embedding_dim: int) -> dict[str, str]:
         "rows written back / step": f"{cache['rows_written_back_per_step']:,.0f}" if cache else "-",
         "executor wait ms / step": f"{cache['executor_wait_ms_per_step']:.2f}" if cache else "-",
         "planning CPU ms / step": f"{cache['planning_ms_per_step']:.2f}" if cache else "-",
-        "plan wait ms / step": f"{cache['stage_ms_per_step']:.3f}" if cache else "-",
         "private memory MB": f"{run.private_mb:,.0f}",
-        "loader wait ms / step": f"{run.loader_wait_ms_per_step:.3f}",
+        "data wait ms / step": f"{run.data_wait_ms_per_step:.3f}",
         "embedding KiB sent / step": (
             f"{sum(run.bytes_per_step[k] for k in EMBEDDING_KINDS) / 1024:,.1f}"
             if run.bytes_per_step
@@ -122,7 +122,8 @@ def report(
     )
     print(
         f"\nDLRM ({args.interaction_type}), world size {world_size}, batch {args.batch_size} "
-        f"per rank, {len(runs[0].step_s)} steps, lookahead {args.lookahead}; cache "
+        f"per rank, {len(runs[0].step_s)} steps, {args.num_workers} loader worker(s) per "
+        f"rank, lookahead {args.lookahead}; cache "
         f"{cache_rows:,} of {rows:,} rows ({cache_rows / rows:.1%}: {sizing})"
     )
     print(f"{'':>26}" + "".join(f"{n:>16}" for n in names))
@@ -138,7 +139,7 @@ def report(
     out.mkdir(parents=True, exist_ok=True)
     summary = {
         "config": {k: v for k, v in vars(args).items()},
-        "runs": [{**asdict(r), "loader_wait_ms_per_step": r.loader_wait_ms_per_step} for r in runs],
+        "runs": [{**asdict(r), "data_wait_ms_per_step": r.data_wait_ms_per_step} for r in runs],
         "weights_match": same,
         "weights_max_difference": gap,
         "weights_agreement": agreement(gap) if gap is not None else None,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -177,8 +176,12 @@ def _one_buffer(
     lengths (ones) and labels as views of one buffer: a loader worker hands a batch
     over as one shared-memory segment rather than four (half the receiving cost)."""
     samples, features = sparse.shape
-    parts = ((torch.int64, sparse.size), (torch.float32, dense.size),
-             (torch.int32, sparse.size), (torch.int32, samples))  # fmt: skip
+    parts = (
+        (torch.int64, sparse.size),
+        (torch.float32, dense.size),
+        (torch.int32, sparse.size),
+        (torch.int32, samples),
+    )
     buffer = torch.empty(sum(dtype.itemsize * n for dtype, n in parts), dtype=torch.uint8)
     views, offset = [], 0
     for dtype, count in parts:  # the widest first: every view stays aligned
@@ -225,14 +228,18 @@ class CriteoDayReader(Dataset):
         dedup_keys: Sequence[str] | None = None,
     ) -> None:
         if order.global_batch % world_size:
-            raise DataError(f"a global batch of {order.global_batch} samples does not split "
-                            f"into {world_size} ranks")  # fmt: skip
+            raise DataError(
+                f"a global batch of {order.global_batch} samples does not split "
+                f"into {world_size} ranks"
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not a rank of world size {world_size}")
         total = sum(d.rows for d in days)
         if order.first + order.samples > total:
-            raise DataError(f"the pass reads up to sample {order.first + order.samples:,}; "
-                            f"the days hold {total:,}")  # fmt: skip
+            raise DataError(
+                f"the pass reads up to sample {order.first + order.samples:,}; "
+                f"the days hold {total:,}"
+            )
         if hashes is not None and len(hashes) != CAT_FEATURE_COUNT:
             raise ValueError(f"hashes: {len(hashes)} table sizes for {CAT_FEATURE_COUNT} features")
         self.days = list(days)
@@ -244,7 +251,6 @@ class CriteoDayReader(Dataset):
         self._ends = np.cumsum([d.rows for d in self.days])
         self._opened: list[tuple[MappedRows, ...]] | None = None  # per process, on first use
         self._entered: list[tuple[int, int]] = []  # chunks this process started, newest last
-        self._finished = torch.zeros(4096, dtype=torch.float64).share_memory_()  # all processes
 
     def __len__(self) -> int:
         return self.order.steps
@@ -263,14 +269,7 @@ class CriteoDayReader(Dataset):
         )
         if self.dedup_keys is not None:
             features = deduplicate(features, self.dedup_keys)
-        self._finished[step % len(self._finished)] = time.monotonic()
         return Batch(dense_t, features, labels_t)
-
-    def finished_at(self, step: int) -> float:
-        """When (``time.monotonic``) the batch of ``step`` was built, by whichever process
-        built it: a loader that had it ready before it was asked for kept nobody waiting.
-        Kept for the last 4,096 steps."""
-        return float(self._finished[step % len(self._finished)])
 
     def loader(self, start: int = 0, stop: int | None = None, num_workers: int = 0) -> DataLoader:
         """A ``DataLoader`` over steps ``[start, stop)`` (``stop``: the end of the pass):
@@ -279,8 +278,13 @@ class CriteoDayReader(Dataset):
         stop = len(self) if stop is None else stop
         if not 0 <= start <= stop <= len(self):
             raise ValueError(f"steps [{start}, {stop}) are outside the pass's {len(self)} steps")
-        return DataLoader(self, batch_size=None, sampler=range(start, stop),
-                          num_workers=num_workers, worker_init_fn=_idle_priority)  # fmt: skip
+        return DataLoader(
+            self,
+            batch_size=None,
+            sampler=range(start, stop),
+            num_workers=num_workers,
+            worker_init_fn=_idle_priority,
+        )
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """The position after ``step`` trained steps, for a checkpoint."""
@@ -292,8 +296,10 @@ class CriteoDayReader(Dataset):
         mine = self.state_dict(state["step"])
         if state != mine:
             changed = [k for k in ("order", "rows") if state[k] != mine[k]]
-            raise DataError(f"the checkpoint's data position does not fit this run: its "
-                            f"{' and '.join(changed)} differ ({state} vs {mine})")  # fmt: skip
+            raise DataError(
+                f"the checkpoint's data position does not fit this run: its "
+                f"{' and '.join(changed)} differ ({state} vs {mine})"
+            )
         return int(state["step"])
 
     # ------------------------------------------------------------ reading
@@ -314,8 +320,10 @@ class CriteoDayReader(Dataset):
             rows = samples - (self._ends[day[0]] - self.days[day[0]].rows)
             dense, sparse, labels = (f.rows[rows] for f in files[day[0]])
             return dense, sparse.astype(np.int64, copy=False), labels
-        out = [np.empty((len(samples), COLUMNS[k]), files[0][i].rows.dtype)
-               for i, k in enumerate(KINDS)]  # fmt: skip
+        out = [
+            np.empty((len(samples), COLUMNS[k]), files[0][i].rows.dtype)
+            for i, k in enumerate(KINDS)
+        ]
         out[1] = out[1].astype(np.int64, copy=False)
         for d in np.unique(day):
             picked = day == d

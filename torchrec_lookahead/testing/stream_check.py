@@ -35,7 +35,7 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,7 +211,7 @@ class StreamChecker(streams.StreamBackend):
     def current_device(self, device: torch.device) -> int:
         return 0
 
-    def record_use(self, parts: list[Any], device: torch.device) -> None:
+    def record_use(self, parts: Iterable[Any], device: torch.device) -> None:
         stream = self.current()
         for part in parts:
             if isinstance(part, torch.Tensor):
