@@ -50,6 +50,7 @@ test-compat: $(COMPAT_VENV)/.installed
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # The CUDA path on a GPU: the CUDA-marked tests under the CUDA sanitizer, then the GPU

@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def ids(size: int) -> None:
         features = batches[size].sparse_features
-        check_feature_ids(features.values().numpy(), features.length_per_key(),
-                          features.keys(), rows, "step 0")  # fmt: skip
+        check_feature_ids(
+            features.values().numpy(), features.length_per_key(), features.keys(), rows, "step 0"
+        )
 
     checks = {"structure": structure, "ids": ids}
     samples: dict[tuple[str, int], list[float]] = {}
@@ -66,10 +67,15 @@ def main(argv: list[str] | None = None) -> dict:
                 seconds = mean_seconds(lambda: check(size), args.calls)  # noqa: B023
                 samples.setdefault((name, size), []).append(seconds)
     results = [
-        {"check": name, "batch_size": size, "ids": batches[size].sparse_features.values().numel(),
-         "ms": 1000 * statistics.median(times), "ms_runs": [1000 * t for t in times]}
+        {
+            "check": name,
+            "batch_size": size,
+            "ids": batches[size].sparse_features.values().numel(),
+            "ms": 1000 * statistics.median(times),
+            "ms_runs": [1000 * t for t in times],
+        }
         for (name, size), times in samples.items()
-    ]  # fmt: skip
+    ]
     print(f"{'check':>10}{'batch':>8}{'ids':>9}{'ms / batch (median)':>22}")
     for r in results:
         print(f"{r['check']:>10}{r['batch_size']:>8}{r['ids']:>9}{r['ms']:>22.3f}")

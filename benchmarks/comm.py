@@ -43,11 +43,25 @@ JOBS = {  # job -> flags, and the settings its two runs measure (lookahead first
 
 
 def measure(args: argparse.Namespace, work: Path, world_size: int, scale: float) -> dict:
-    flags = ["--scale", str(scale), "--batch_size", str(args.batch_size),
-             "--limit_train_batches", str(args.steps), "--limit_val_batches", "1",
-             "--limit_test_batches", "1", "--data_cache", str(args.data_cache),
-             "--synthetic_samples_per_day", str(args.samples_per_day), "--baseline",
-             "--plan_sample_batches", str(args.sample_batches)]  # fmt: skip
+    flags = [
+        "--scale",
+        str(scale),
+        "--batch_size",
+        str(args.batch_size),
+        "--limit_train_batches",
+        str(args.steps),
+        "--limit_val_batches",
+        "1",
+        "--limit_test_batches",
+        "1",
+        "--data_cache",
+        str(args.data_cache),
+        "--synthetic_samples_per_day",
+        str(args.samples_per_day),
+        "--baseline",
+        "--plan_sample_batches",
+        str(args.sample_batches),
+    ]
     step_ms = {s: [] for s in SETTINGS}
     sent: dict[str, dict[str, float]] = {}
     hot_share = []
@@ -91,9 +105,11 @@ def plot(results: list[dict], path: Path) -> None:
             heights = [result["settings"][s]["bytes_per_step"][kind] / 1024 for s in SETTINGS]
             ax.bar(range(len(SETTINGS)), heights, bottom=bottom, label=kind)
             bottom = [b + h for b, h in zip(bottom, heights)]
-        ax.set_xticks(range(len(SETTINGS)),
-                      ["TorchRec\nplan", "TorchRec\ntable-wise", "lookahead", "lookahead\nhot"],
-                      fontsize=7)  # fmt: skip
+        ax.set_xticks(
+            range(len(SETTINGS)),
+            ["TorchRec\nplan", "TorchRec\ntable-wise", "lookahead", "lookahead\nhot"],
+            fontsize=7,
+        )
         ax.set_title(f"world size {result['world_size']}, scale {result['scale']}", fontsize=8)
         ax.set_ylabel("KiB sent per step and rank")
     axes[0].legend(fontsize=7)
@@ -111,8 +127,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--runs", type=int, default=3, help="jobs of each kind, alternating")
     parser.add_argument("--samples-per-day", type=int, default=262144)
-    parser.add_argument("--sample-batches", type=int, default=50,
-                        help="global batches the hot rows are chosen from")  # fmt: skip
+    parser.add_argument(
+        "--sample-batches", type=int, default=50, help="global batches the hot rows are chosen from"
+    )
     parser.add_argument("--data-cache", type=Path, default=Path(".cache/dlrm-data"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -125,23 +142,50 @@ def main() -> None:
     }
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "comm.png")
-    print(f"\nEmbedding bytes sent per step and rank (KiB; mean over ranks, counted at the "
-          f"collectives) and step time (ms; median over {args.runs} runs of the median step "
-          f"after the first), batch {args.batch_size} per rank, {args.steps} steps")  # fmt: skip
+    print(
+        f"\nEmbedding bytes sent per step and rank (KiB; mean over ranks, counted at the "
+        f"collectives) and step time (ms; median over {args.runs} runs of the median step "
+        f"after the first), batch {args.batch_size} per rank, {args.steps} steps"
+    )
     head = "{:>5} {:>6} {:<20} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8}"
-    print(head.format("ranks", "scale", "setting", "ids", "pooled", "grads", "hot sync",
-                      "DP", "total", "dense", "step ms"))  # fmt: skip
+    print(
+        head.format(
+            "ranks",
+            "scale",
+            "setting",
+            "ids",
+            "pooled",
+            "grads",
+            "hot sync",
+            "DP",
+            "total",
+            "dense",
+            "step ms",
+        )
+    )
     for r in results:
         for setting in SETTINGS:
             s = r["settings"][setting]
             b = {k: v / 1024 for k, v in s["bytes_per_step"].items()}
-            print(head.format(r["world_size"], r["scale"], setting, f"{b['ids']:.1f}",
-                              f"{b['pooled']:.1f}", f"{b['gradients']:.1f}",
-                              f"{b['hot_sync']:.1f}", f"{b['data_parallel']:.1f}",
-                              f"{s['embedding_bytes_per_step'] / 1024:.1f}", f"{b['dense']:.1f}",
-                              f"{s['step_ms']:.1f}"))  # fmt: skip
-        print(f"{'':>13}bytes_ratio {r['bytes_ratio']:.3f}, time_ratio {r['time_ratio']:.3f} "
-              f"(lookahead hot / TorchRec plan), hot lookups {r['hot_share']:.1%}")  # fmt: skip
+            print(
+                head.format(
+                    r["world_size"],
+                    r["scale"],
+                    setting,
+                    f"{b['ids']:.1f}",
+                    f"{b['pooled']:.1f}",
+                    f"{b['gradients']:.1f}",
+                    f"{b['hot_sync']:.1f}",
+                    f"{b['data_parallel']:.1f}",
+                    f"{s['embedding_bytes_per_step'] / 1024:.1f}",
+                    f"{b['dense']:.1f}",
+                    f"{s['step_ms']:.1f}",
+                )
+            )
+        print(
+            f"{'':>13}bytes_ratio {r['bytes_ratio']:.3f}, time_ratio {r['time_ratio']:.3f} "
+            f"(lookahead hot / TorchRec plan), hot lookups {r['hot_share']:.1%}"
+        )
     print(f"\nwrote {args.out / 'report.json'} and {args.out / 'comm.png'}")
 
 

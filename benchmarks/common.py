@@ -57,9 +57,18 @@ def run_example(
     returns the job's wall seconds and its summary (``summary.json``). ``watch`` is
     called with the launcher's pid every 0.1 s while the job runs."""
     out = Path(tempfile.mkdtemp(dir=work))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world_size}", f"--max-restarts={restarts}", EXAMPLE,
-           "--out", str(out), *flags]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        f"--max-restarts={restarts}",
+        EXAMPLE,
+        "--out",
+        str(out),
+        *flags,
+    ]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as stderr:
         job = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True)

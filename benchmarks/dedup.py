@@ -53,11 +53,19 @@ def dense_floor_ms(args: argparse.Namespace, steps: int = 60, warmup: int = 10) 
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     dim, batch, features = args.embedding_dim, args.batch_size, 26
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=1,
-                                 feature_names=[f"f{i}"]) for i in range(features)]  # fmt: skip
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=dim, num_embeddings=1, feature_names=[f"f{i}"]
+        )
+        for i in range(features)
+    ]
     collection = EmbeddingBagCollection(tables, device=torch.device("meta"))
-    model = DLRM(embedding_bag_collection=collection, dense_in_features=13,
-                 dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 32, 1])  # fmt: skip
+    model = DLRM(
+        embedding_bag_collection=collection,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[64, dim],
+        over_arch_layer_sizes=[64, 32, 1],
+    )
     model.sparse_arch = _Fixed(torch.randn(batch, features, dim))
     optimizer = torch.optim.SGD([*model.parameters()], lr=0.1)
     dense, labels = torch.randn(batch, 13), torch.randint(0, 2, (batch,)).float()
@@ -98,11 +106,15 @@ def expansion_ms(args: argparse.Namespace, session_size: int, repeats: int = 30)
     inverse = torch.stack([shared] * SHARED_FEATURES + [own] * others)
     expand = {
         "fbgemm": lambda x: torch.ops.fbgemm.batch_index_select_dim0(
-            inputs=x, indices=inverse.reshape(-1), input_num_indices=[batch] * len(bags),
-            input_rows=bags, input_columns=[dim] * len(bags), permute_output_dim_0_1=True,
+            inputs=x,
+            indices=inverse.reshape(-1),
+            input_num_indices=[batch] * len(bags),
+            input_rows=bags,
+            input_columns=[dim] * len(bags),
+            permute_output_dim_0_1=True,
         ),
         "gather": lambda x: gather_bags(x, inverse, bags, dim),
-    }  # fmt: skip
+    }
     pooled = torch.randn(sum(bags) * dim, requires_grad=True)
     gradient = torch.randn(batch * len(bags) * dim)
     times = {}
@@ -126,19 +138,37 @@ def bags_bound(plain_step_ms: float, floor_ms: float, session_size: int) -> floa
 
 
 def measure(args: argparse.Namespace, work: Path) -> list[dict]:
-    base = ["--scale", str(args.scale), "--batch_size", str(args.batch_size),
-            "--embedding_dim", str(args.embedding_dim),
-            "--dense_arch_layer_sizes", f"64,{args.embedding_dim}",
-            "--limit_train_batches", str(args.steps), "--limit_val_batches", "1",
-            "--limit_test_batches", "1", "--data_cache", str(args.data_cache),
-            "--synthetic_samples_per_day", str(args.samples_per_day)]  # fmt: skip
+    base = [
+        "--scale",
+        str(args.scale),
+        "--batch_size",
+        str(args.batch_size),
+        "--embedding_dim",
+        str(args.embedding_dim),
+        "--dense_arch_layer_sizes",
+        f"64,{args.embedding_dim}",
+        "--limit_train_batches",
+        str(args.steps),
+        "--limit_val_batches",
+        "1",
+        "--limit_test_batches",
+        "1",
+        "--data_cache",
+        str(args.data_cache),
+        "--synthetic_samples_per_day",
+        str(args.samples_per_day),
+    ]
     # samples/s per run: over every step, and after the first (the window's fill and the
     # process's warm-up, one-time costs that weigh heavily in a short run)
     whole = {(k, mode): [] for k in args.sessions for mode in ("plain", "dedup")}
     steady = {(k, mode): [] for k in args.sessions for mode in ("plain", "dedup")}
     counts = {}
-    runs = [(r, k, mode) for r in range(args.repeats) for k in args.sessions
-            for mode in ("plain", "dedup")]  # fmt: skip
+    runs = [
+        (r, k, mode)
+        for r in range(args.repeats)
+        for k in args.sessions
+        for mode in ("plain", "dedup")
+    ]
     for _, k, mode in tqdm(runs, desc="runs", unit="run"):
         flags = [*base, "--session_size", str(k)] + (["--dedup"] if mode == "dedup" else [])
         _, summary = run_example(work, args.world_size, flags)
@@ -156,25 +186,27 @@ def measure(args: argparse.Namespace, work: Path) -> list[dict]:
         after = sparse_bytes(dedup["ids_after"], dedup["bags_after"], args.embedding_dim)
         plain, deduped = (statistics.median(steady[k, m]) for m in ("plain", "dedup"))
         plain_step_ms = 1000 * args.batch_size * args.world_size / plain
-        rows.append({
-            "session_size": k,
-            "plain_samples_per_s": plain,
-            "dedup_samples_per_s": deduped,
-            "speedup": deduped / plain,
-            "plain_step_ms": plain_step_ms,
-            "dense_floor_ms": floor,
-            "speedup_bound": plain_step_ms / floor,
-            "speedup_bound_by_bags": bags_bound(plain_step_ms, floor, k),
-            "expand_ms": expansion_ms(args, k),
-            "plain_all": steady[k, "plain"],
-            "dedup_all": steady[k, "dedup"],
-            "whole_run_speedup": statistics.median(whole[k, "dedup"])
-            / statistics.median(whole[k, "plain"]),
-            "ids_per_step_plain": dedup["ids_before"] / steps,
-            "ids_per_step_dedup": dedup["ids_after"] / steps,
-            "sparse_mb_per_step_plain": before / steps / 2**20,
-            "sparse_mb_per_step_dedup": after / steps / 2**20,
-        })  # fmt: skip
+        rows.append(
+            {
+                "session_size": k,
+                "plain_samples_per_s": plain,
+                "dedup_samples_per_s": deduped,
+                "speedup": deduped / plain,
+                "plain_step_ms": plain_step_ms,
+                "dense_floor_ms": floor,
+                "speedup_bound": plain_step_ms / floor,
+                "speedup_bound_by_bags": bags_bound(plain_step_ms, floor, k),
+                "expand_ms": expansion_ms(args, k),
+                "plain_all": steady[k, "plain"],
+                "dedup_all": steady[k, "dedup"],
+                "whole_run_speedup": statistics.median(whole[k, "dedup"])
+                / statistics.median(whole[k, "plain"]),
+                "ids_per_step_plain": dedup["ids_before"] / steps,
+                "ids_per_step_dedup": dedup["ids_after"] / steps,
+                "sparse_mb_per_step_plain": before / steps / 2**20,
+                "sparse_mb_per_step_dedup": after / steps / 2**20,
+            }
+        )
     return rows
 
 
@@ -220,30 +252,60 @@ def main() -> None:
     }
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     plot(rows, args.out / "dedup.png")
-    print(f"\nDeduplicated batches, world size {args.world_size}, batch {args.batch_size} per "
-          f"rank, embedding dim {args.embedding_dim}, {args.steps} steps (medians over "
-          f"{args.repeats} runs, after the first step; ids and sparse MB per step and "
-          "rank)")  # fmt: skip
-    print("{:>4} {:>12} {:>12} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>6} {:>6}".format(
-        "k", "plain s/s", "dedup s/s", "speedup", "ids plain", "ids dedup", "MB plain",
-        "MB dedup", "step ms", "bound", "bags"))  # fmt: skip
+    print(
+        f"\nDeduplicated batches, world size {args.world_size}, batch {args.batch_size} per "
+        f"rank, embedding dim {args.embedding_dim}, {args.steps} steps (medians over "
+        f"{args.repeats} runs, after the first step; ids and sparse MB per step and "
+        "rank)"
+    )
+    print(
+        "{:>4} {:>12} {:>12} {:>8} {:>10} {:>10} {:>10} {:>10} {:>8} {:>6} {:>6}".format(
+            "k",
+            "plain s/s",
+            "dedup s/s",
+            "speedup",
+            "ids plain",
+            "ids dedup",
+            "MB plain",
+            "MB dedup",
+            "step ms",
+            "bound",
+            "bags",
+        )
+    )
     for r in rows:
-        print("{:>4} {:>12,.0f} {:>12,.0f} {:>8.2f} {:>10,.0f} {:>10,.0f} {:>10.2f} {:>10.2f} "
-              "{:>8.2f} {:>6.2f} {:>6.2f}"
-              .format(r["session_size"], r["plain_samples_per_s"], r["dedup_samples_per_s"],
-                      r["speedup"], r["ids_per_step_plain"], r["ids_per_step_dedup"],
-                      r["sparse_mb_per_step_plain"], r["sparse_mb_per_step_dedup"],
-                      r["plain_step_ms"], r["speedup_bound"],
-                      r["speedup_bound_by_bags"]))  # fmt: skip
-    print("expanding the pooled output (forward and backward), FBGEMM's "
-          "batch_index_select_dim0 -> one gather: "
-          + ", ".join(f"k={r['session_size']} {r['expand_ms']['fbgemm']:.2f} -> "
-                      f"{r['expand_ms']['gather']:.2f} ms" for r in rows))  # fmt: skip
-    print(f"dense floor (the step without its sparse side, whole batch): "
-          f"{rows[0]['dense_floor_ms']:.2f} ms; bound = plain step ms / floor, the most any "
-          "deduplication can speed a step up on this machine; bags = the same if the sparse "
-          "side's cost scales with the bags looked up (the shared features' shrink k-fold, "
-          "the others' not)")  # fmt: skip
+        print(
+            "{:>4} {:>12,.0f} {:>12,.0f} {:>8.2f} {:>10,.0f} {:>10,.0f} {:>10.2f} {:>10.2f} "
+            "{:>8.2f} {:>6.2f} {:>6.2f}".format(
+                r["session_size"],
+                r["plain_samples_per_s"],
+                r["dedup_samples_per_s"],
+                r["speedup"],
+                r["ids_per_step_plain"],
+                r["ids_per_step_dedup"],
+                r["sparse_mb_per_step_plain"],
+                r["sparse_mb_per_step_dedup"],
+                r["plain_step_ms"],
+                r["speedup_bound"],
+                r["speedup_bound_by_bags"],
+            )
+        )
+    print(
+        "expanding the pooled output (forward and backward), FBGEMM's "
+        "batch_index_select_dim0 -> one gather: "
+        + ", ".join(
+            f"k={r['session_size']} {r['expand_ms']['fbgemm']:.2f} -> "
+            f"{r['expand_ms']['gather']:.2f} ms"
+            for r in rows
+        )
+    )
+    print(
+        f"dense floor (the step without its sparse side, whole batch): "
+        f"{rows[0]['dense_floor_ms']:.2f} ms; bound = plain step ms / floor, the most any "
+        "deduplication can speed a step up on this machine; bags = the same if the sparse "
+        "side's cost scales with the bags looked up (the shared features' shrink k-fold, "
+        "the others' not)"
+    )
     print(f"\nwrote {args.out / 'report.json'} and {args.out / 'dedup.png'}")
 
 

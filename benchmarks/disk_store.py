@@ -64,10 +64,11 @@ def process_io() -> dict[str, int]:
 
 def table_configs(data: SyntheticCriteo, dim: int) -> list[EmbeddingBagConfig]:
     return [
-        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=dim, num_embeddings=rows,
-                           feature_names=[name])
+        EmbeddingBagConfig(
+            name=f"t_{name}", embedding_dim=dim, num_embeddings=rows, feature_names=[name]
+        )
         for name, rows in zip(feature_names(data), data.num_embeddings)
-    ]  # fmt: skip
+    ]
 
 
 def build(data: SyntheticCriteo, dim: int, cache_load_factor: float, store_dir: Path | None):
@@ -78,10 +79,15 @@ def build(data: SyntheticCriteo, dim: int, cache_load_factor: float, store_dir: 
     # The fused optimizer through fused_params: TorchRec's RowWiseAdagrad, given to
     # apply_optimizer_in_backward, builds a full-table temporary per table on the CPU.
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
-    ebc = LookaheadEmbeddingBagCollection(tables, cache_load_factor=cache_load_factor,
-                                          store_dir=store_dir, fused_params=fused)  # fmt: skip
-    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 1])  # fmt: skip
+    ebc = LookaheadEmbeddingBagCollection(
+        tables, cache_load_factor=cache_load_factor, store_dir=store_dir, fused_params=fused
+    )
+    dlrm = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[64, dim],
+        over_arch_layer_sizes=[64, 1],
+    )
     model = DLRMTrain(dlrm)
     return model, ebc, time.perf_counter() - start
 
@@ -89,8 +95,9 @@ def build(data: SyntheticCriteo, dim: int, cache_load_factor: float, store_dir: 
 def train(model, ebc, data, args, lookahead: int, steps: int, desc: str) -> dict:
     """Trains ``steps`` batches; what the run measured."""
     dense = [*model.model.dense_arch.parameters(), *model.model.over_arch.parameters()]
-    pipeline = LookaheadTrainPipeline(model, torch.optim.SGD(dense, lr=0.1), torch.device("cpu"),
-                                      lookahead=lookahead)  # fmt: skip
+    pipeline = LookaheadTrainPipeline(
+        model, torch.optim.SGD(dense, lr=0.1), torch.device("cpu"), lookahead=lookahead
+    )
     batches = (criteo_batch(data, s, args.batch_size) for s in range(steps))
     io_before, times, waits, private = process_io(), [], [], anonymous_rss_bytes()
     for _ in tqdm(range(steps), desc=desc, unit="step", disable=None, leave=False):
@@ -153,8 +160,10 @@ def sized_data(args, gigabytes: float, copies: int = 1) -> tuple[SyntheticCriteo
     if need * copies > free:
         shutil.rmtree(folder)
         where = args.store_dir or tempfile.gettempdir()
-        raise SystemExit(f"{gigabytes} GB of tables: {copies} x {need / 1e9:.1f} GB needed in "
-                         f"{where}, {free / 1e9:.1f} GB free")  # fmt: skip
+        raise SystemExit(
+            f"{gigabytes} GB of tables: {copies} x {need / 1e9:.1f} GB needed in "
+            f"{where}, {free / 1e9:.1f} GB free"
+        )
     return data, need / 1e9, folder
 
 
@@ -167,8 +176,13 @@ def part_huge(args) -> dict:
         ebc.store_files.drop_page_cache()
         run = train(model, ebc, data, args, 64, args.huge_steps, "huge")
         rows = sum(data.num_embeddings)
-        return {"rows": rows, "store_gb": store_gb, "init_s": built_s,
-                "ram_gb": _ram_bytes() / 1e9, **run}  # fmt: skip
+        return {
+            "rows": rows,
+            "store_gb": store_gb,
+            "init_s": built_s,
+            "ram_gb": _ram_bytes() / 1e9,
+            **run,
+        }
     finally:
         shutil.rmtree(folder)
 
@@ -214,20 +228,28 @@ def build_sharded(data: SyntheticCriteo, dim: int, store_dir: Path):
     from torchrec_lookahead import lookahead_sharders
 
     tables = table_configs(data, dim)
-    ebc = LookaheadEmbeddingBagCollection(tables, device=torch.device("meta"),
-                                          cache_load_factor=0.01, store_dir=store_dir)  # fmt: skip
-    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 1])  # fmt: skip
+    ebc = LookaheadEmbeddingBagCollection(
+        tables, device=torch.device("meta"), cache_load_factor=0.01, store_dir=store_dir
+    )
+    dlrm = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[64, dim],
+        over_arch_layer_sizes=[64, 1],
+    )
     model = DLRMTrain(dlrm)
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
     table_wise = {t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables}
-    planner = EmbeddingShardingPlanner(Topology(world_size=1, compute_device="cpu"),
-                                       constraints=table_wise)  # fmt: skip
+    planner = EmbeddingShardingPlanner(
+        Topology(world_size=1, compute_device="cpu"), constraints=table_wise
+    )
     sharders = lookahead_sharders()
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=0.1))  # fmt: skip
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+    )
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -274,11 +296,20 @@ def part_checkpoint(args) -> list[dict]:
                     dcp.load(state, checkpoint_id=path, planner=StreamingLoadPlanner())
                     load_s = time.perf_counter() - start
                 shutil.rmtree(path)
-                runs.append({"planner": name, "repeat": repeat, "store_gb": store_gb,
-                             "built_s": built_s, "checkpoint_gb": size / 1e9, "save_s": save_s,
-                             "load_s": load_s, "save_added_mb": saving.added_mb,
-                             "load_added_mb": loading.added_mb,
-                             "private_mb": max(saving.peak, loading.peak) / 2**20})  # fmt: skip
+                runs.append(
+                    {
+                        "planner": name,
+                        "repeat": repeat,
+                        "store_gb": store_gb,
+                        "built_s": built_s,
+                        "checkpoint_gb": size / 1e9,
+                        "save_s": save_s,
+                        "load_s": load_s,
+                        "save_added_mb": saving.added_mb,
+                        "load_added_mb": loading.added_mb,
+                        "private_mb": max(saving.peak, loading.peak) / 2**20,
+                    }
+                )
                 print(f"{name}: {runs[-1]}")
     finally:
         dist.destroy_process_group()
@@ -295,8 +326,13 @@ def _ram_bytes() -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", nargs="+", choices=PARTS, default=PARTS,
-                   help="which parts to run (all by default)")  # fmt: skip
+    p.add_argument(
+        "--part",
+        nargs="+",
+        choices=PARTS,
+        default=PARTS,
+        help="which parts to run (all by default)",
+    )
     p.add_argument("--scale", type=float, default=0.1, help="Criteo Kaggle sizes times this")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=2048)
@@ -306,8 +342,12 @@ def main() -> None:
     p.add_argument("--huge-gb", type=float, default=40.0, help="rows + state on disk")
     p.add_argument("--huge-cache", type=float, default=0.01, help="cache load factor")
     p.add_argument("--huge-steps", type=int, default=300)
-    p.add_argument("--oracle-rows", choices=["disk", "memory"], default="disk",
-                   help="where the oracles' per-row tables live in the huge part")  # fmt: skip
+    p.add_argument(
+        "--oracle-rows",
+        choices=["disk", "memory"],
+        default="disk",
+        help="where the oracles' per-row tables live in the huge part",
+    )
     p.add_argument("--checkpoint-gb", type=float, default=4.0, help="rows + state on disk")
     p.add_argument("--checkpoint-steps", type=int, default=20, help="trained before saving")
     p.add_argument(
@@ -321,46 +361,73 @@ def main() -> None:
     report = {"machine": machine(), "config": vars(args)}
     if "fits" in args.part:
         report["fits"] = part_fits(args)
-        print(f"\nfits in RAM: scale {args.scale}, dim {args.dim}, batch {args.batch_size}, "
-              f"cache 5%, median of {args.repeats} runs (page cache dropped first)")  # fmt: skip
-        print(f"{'L':>4}{'store':>22}{'step ms':>10}{'/ memory':>10}{'wait ms':>10}"
-              f"{'1st step ms':>13}{'read MB/s':>11}")  # fmt: skip
+        print(
+            f"\nfits in RAM: scale {args.scale}, dim {args.dim}, batch {args.batch_size}, "
+            f"cache 5%, median of {args.repeats} runs (page cache dropped first)"
+        )
+        print(
+            f"{'L':>4}{'store':>22}{'step ms':>10}{'/ memory':>10}{'wait ms':>10}"
+            f"{'1st step ms':>13}{'read MB/s':>11}"
+        )
         for lookahead in (16, 64):
-            of = {s: [r for r in report["fits"] if r["lookahead"] == lookahead and r["store"] == s]
-                  for s in STORES}  # fmt: skip
+            of = {
+                s: [r for r in report["fits"] if r["lookahead"] == lookahead and r["store"] == s]
+                for s in STORES
+            }
             for store, runs in of.items():
                 ratio = statistics.median(
                     r["step_ms"] / m["step_ms"] for r, m in zip(runs, of["memory"])
                 )
-                keys = ("step_ms", "executor_wait_ms_per_step", "first_step_ms",
-                        "disk_read_mb_per_s")  # fmt: skip
+                keys = (
+                    "step_ms",
+                    "executor_wait_ms_per_step",
+                    "first_step_ms",
+                    "disk_read_mb_per_s",
+                )
                 cells = [statistics.median(r[k] for r in runs) for k in keys]
-                print(f"{lookahead:>4}{store:>22}{cells[0]:>10.1f}{ratio:>10.3f}{cells[1]:>10.2f}"
-                      f"{cells[2]:>13.1f}{cells[3]:>11.1f}")  # fmt: skip
+                print(
+                    f"{lookahead:>4}{store:>22}{cells[0]:>10.1f}{ratio:>10.3f}{cells[1]:>10.2f}"
+                    f"{cells[2]:>13.1f}{cells[3]:>11.1f}"
+                )
     if "huge" in args.part:
         huge = report["huge"] = part_huge(args)
-        print(f"\nlarger than RAM: {huge['rows']:,} rows, {huge['store_gb']:.1f} GB on disk, "
-              f"{huge['ram_gb']:.1f} GB RAM, cache {args.huge_cache:.0%}, L=64, "
-              f"built in {huge['init_s']:.0f} s")  # fmt: skip
-        for key in ("samples_per_s", "hit_rate", "step_ms", "executor_wait_ms_per_step",
-                    "first_step_ms", "disk_read_mb_per_s", "disk_written_mb_per_s",
-                    "private_mb"):  # fmt: skip
+        print(
+            f"\nlarger than RAM: {huge['rows']:,} rows, {huge['store_gb']:.1f} GB on disk, "
+            f"{huge['ram_gb']:.1f} GB RAM, cache {args.huge_cache:.0%}, L=64, "
+            f"built in {huge['init_s']:.0f} s"
+        )
+        for key in (
+            "samples_per_s",
+            "hit_rate",
+            "step_ms",
+            "executor_wait_ms_per_step",
+            "first_step_ms",
+            "disk_read_mb_per_s",
+            "disk_written_mb_per_s",
+            "private_mb",
+        ):
             print(f"{key:>28}  {huge[key]:,.3f}")
     if "checkpoint" in args.part:
         runs = report["checkpoint"] = part_checkpoint(args)
-        print(f"\nDCP checkpoints of a disk store under DMP (1 rank, table-wise): "
-              f"{runs[0]['store_gb']:.1f} GB of tables, page cache dropped before each save "
-              f"and load (loads by StreamingLoadPlanner), median of {args.repeats}")  # fmt: skip
-        print(f"{'planner':>10}{'GB':>7}{'save s':>8}{'GB/s':>7}{'+MB saving':>12}"
-              f"{'load s':>8}{'GB/s':>7}{'+MB loading':>13}")  # fmt: skip
+        print(
+            f"\nDCP checkpoints of a disk store under DMP (1 rank, table-wise): "
+            f"{runs[0]['store_gb']:.1f} GB of tables, page cache dropped before each save "
+            f"and load (loads by StreamingLoadPlanner), median of {args.repeats}"
+        )
+        print(
+            f"{'planner':>10}{'GB':>7}{'save s':>8}{'GB/s':>7}{'+MB saving':>12}"
+            f"{'load s':>8}{'GB/s':>7}{'+MB loading':>13}"
+        )
         for name in args.checkpoint_planners.split(","):
             of = [r for r in runs if r["planner"] == name]
             keys = ("checkpoint_gb", "save_s", "load_s", "save_added_mb", "load_added_mb")
             med = {k: statistics.median(r[k] for r in of) for k in keys}
             gb = med["checkpoint_gb"]
-            print(f"{name:>10}{gb:>7.2f}{med['save_s']:>8.1f}{gb / med['save_s']:>7.2f}"
-                  f"{med['save_added_mb']:>12,.0f}{med['load_s']:>8.1f}{gb / med['load_s']:>7.2f}"
-                  f"{med['load_added_mb']:>13,.0f}")  # fmt: skip
+            print(
+                f"{name:>10}{gb:>7.2f}{med['save_s']:>8.1f}{gb / med['save_s']:>7.2f}"
+                f"{med['save_added_mb']:>12,.0f}{med['load_s']:>8.1f}{gb / med['load_s']:>7.2f}"
+                f"{med['load_added_mb']:>13,.0f}"
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))

@@ -33,10 +33,23 @@ from common import machine, run_example
 def launch(args: argparse.Namespace, work: Path, *flags: str) -> tuple[float, dict]:
     """One torchrun job of the example (checkpointing into a folder of its own); returns
     its wall seconds and its summary."""
-    flags = ["--scale", str(args.scale), "--batch_size", str(args.batch_size),
-             "--limit_train_batches", str(args.steps), "--limit_val_batches", "1",
-             "--limit_test_batches", "1", "--data_cache", str(args.data_cache),
-             "--save_dir", str(Path(tempfile.mkdtemp(dir=work)) / "ckpt"), *flags]  # fmt: skip
+    flags = [
+        "--scale",
+        str(args.scale),
+        "--batch_size",
+        str(args.batch_size),
+        "--limit_train_batches",
+        str(args.steps),
+        "--limit_val_batches",
+        "1",
+        "--limit_test_batches",
+        "1",
+        "--data_cache",
+        str(args.data_cache),
+        "--save_dir",
+        str(Path(tempfile.mkdtemp(dir=work)) / "ckpt"),
+        *flags,
+    ]
     return run_example(work, args.world_size, flags, restarts=3)
 
 
@@ -85,15 +98,17 @@ def failures(args: argparse.Namespace, work: Path) -> list[dict]:
             lost.append(failed_s - seconds)
             redone.append(steps)
             restart.append(failed_s - seconds - steps * step_s)
-        rows.append({
-            "interval": interval,
-            "clean_s": statistics.median(clean),
-            "lost_s": statistics.median(lost),
-            "redone_steps": statistics.median(redone),
-            "restart_s": statistics.median(restart),
-            "lost_s_all": lost,
-            "redone_all": redone,
-        })  # fmt: skip
+        rows.append(
+            {
+                "interval": interval,
+                "clean_s": statistics.median(clean),
+                "lost_s": statistics.median(lost),
+                "redone_steps": statistics.median(redone),
+                "restart_s": statistics.median(restart),
+                "lost_s_all": lost,
+                "redone_all": redone,
+            }
+        )
     return rows
 
 
@@ -106,8 +121,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--save-every", type=int, default=5, help="steps, for the stall")
     parser.add_argument("--intervals", type=int, nargs="+", default=[10, 20, 40])
-    parser.add_argument("--mode", choices=["async", "sync"], default="async",
-                        help="checkpoints of the failure runs")  # fmt: skip
+    parser.add_argument(
+        "--mode", choices=["async", "sync"], default="async", help="checkpoints of the failure runs"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-cache", type=Path, default=Path(".cache/dlrm-data"))
@@ -121,22 +137,40 @@ def main() -> None:
             "machine": machine(),
             "stall": stall(args, Path(work)),
             "failures": failures(args, Path(work)),
-        }  # fmt: skip
+        }
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
 
-    print(f"\nCheckpoint stall, world size {args.world_size}, batch {args.batch_size} per rank, "
-          f"scale {args.scale}, a save every {args.save_every} steps "
-          f"(medians over {args.repeats} runs)")  # fmt: skip
-    print("{:>6} {:>6} {:>10} {:>10} {:>10} {:>12} {:>9}".format(
-        "mode", "saves", "stall ms", "max ms", "step ms", "stall/step", "train s"))  # fmt: skip
+    print(
+        f"\nCheckpoint stall, world size {args.world_size}, batch {args.batch_size} per rank, "
+        f"scale {args.scale}, a save every {args.save_every} steps "
+        f"(medians over {args.repeats} runs)"
+    )
+    print(
+        "{:>6} {:>6} {:>10} {:>10} {:>10} {:>12} {:>9}".format(
+            "mode", "saves", "stall ms", "max ms", "step ms", "stall/step", "train s"
+        )
+    )
     for mode, r in report["stall"].items():
-        print("{:>6} {:>6} {:>10.1f} {:>10.1f} {:>10.1f} {:>12.1%} {:>9.2f}".format(
-            mode, r["saves"], r["stall_ms"], r["stall_ms_max"], r["step_ms"],
-            r["stall_per_step"], r["train_s"]))  # fmt: skip
-    print(f"\nTime lost per failure ({args.mode} checkpoints; a random rank killed after a "
-          f"random step; medians over {args.repeats} runs)")  # fmt: skip
-    print("{:>9} {:>12} {:>14} {:>13} {:>11}".format(
-        "interval", "clean job s", "redone steps", "lost s", "restart s"))  # fmt: skip
+        print(
+            "{:>6} {:>6} {:>10.1f} {:>10.1f} {:>10.1f} {:>12.1%} {:>9.2f}".format(
+                mode,
+                r["saves"],
+                r["stall_ms"],
+                r["stall_ms_max"],
+                r["step_ms"],
+                r["stall_per_step"],
+                r["train_s"],
+            )
+        )
+    print(
+        f"\nTime lost per failure ({args.mode} checkpoints; a random rank killed after a "
+        f"random step; medians over {args.repeats} runs)"
+    )
+    print(
+        "{:>9} {:>12} {:>14} {:>13} {:>11}".format(
+            "interval", "clean job s", "redone steps", "lost s", "restart s"
+        )
+    )
     for r in report["failures"]:
         cells = (r["interval"], r["clean_s"], r["redone_steps"], r["lost_s"], r["restart_s"])
         print("{:>9} {:>12.1f} {:>14.0f} {:>13.1f} {:>11.1f}".format(*cells))

@@ -55,15 +55,19 @@ ALGORITHMS = {"uvm-lru": CacheAlgorithm.LRU, "uvm-lfu": CacheAlgorithm.LFU}
 
 
 def settings(fractions: list[float]) -> list[tuple[str, float | None]]:
-    return [("fused", None)] + [(kind, f) for kind in ("uvm-lru", "uvm-lfu", "lookahead")
-                                for f in fractions]  # fmt: skip
+    return [("fused", None)] + [
+        (kind, f) for kind in ("uvm-lru", "uvm-lfu", "lookahead") for f in fractions
+    ]
 
 
 def build(kind: str, fraction: float | None, args: argparse.Namespace, device: torch.device):
     data = SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed)
-    tables = [EmbeddingBagConfig(name=f"t_{name}", embedding_dim=args.dim, num_embeddings=rows,
-                                 feature_names=[name])
-              for name, rows in zip(feature_names(data), data.num_embeddings)]  # fmt: skip
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t_{name}", embedding_dim=args.dim, num_embeddings=rows, feature_names=[name]
+        )
+        for name, rows in zip(feature_names(data), data.num_embeddings)
+    ]
     meta = torch.device("meta")
     if kind == "lookahead":
         ebc = LookaheadEmbeddingBagCollection(tables, device=meta, cache_load_factor=fraction)
@@ -72,24 +76,37 @@ def build(kind: str, fraction: float | None, args: argparse.Namespace, device: t
         ebc = EmbeddingBagCollection(tables, device=meta)
         sharders = [EmbeddingBagCollectionSharder()]
     torch.manual_seed(args.seed)
-    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                           dense_arch_layer_sizes=[64, args.dim],
-                           over_arch_layer_sizes=[64, 32, 1], dense_device=device))  # fmt: skip
-    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(),
-                                {"lr": 0.05})  # fmt: skip
+    model = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=ebc,
+            dense_in_features=13,
+            dense_arch_layer_sizes=[64, args.dim],
+            over_arch_layer_sizes=[64, 32, 1],
+            dense_device=device,
+        )
+    )
+    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
     kernel = "fused" if kind == "fused" else "fused_uvm_caching"
     cache = None
     if kind in ALGORITHMS:
         cache = CacheParams(algorithm=ALGORITHMS[kind], load_factor=fraction)
-    constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"],
-                                                compute_kernels=[kernel], cache_params=cache)
-                   for t in tables}  # fmt: skip
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cuda"),
-                                       batch_size=args.batch_size, constraints=constraints)
+    constraints = {
+        t.name: ParameterConstraints(
+            sharding_types=["table_wise"], compute_kernels=[kernel], cache_params=cache
+        )
+        for t in tables
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cuda"),
+        batch_size=args.batch_size,
+        constraints=constraints,
+    )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=0.1))  # fmt: skip
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+    )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     if kind == "lookahead":
         return LookaheadTrainPipeline(dmp, optimizer, device, lookahead=args.lookahead), data
@@ -98,8 +115,9 @@ def build(kind: str, fraction: float | None, args: argparse.Namespace, device: t
     return TrainPipelineSparseDist(dmp, optimizer, device), data
 
 
-def measure(kind: str, fraction: float | None, args: argparse.Namespace,
-            device: torch.device) -> dict:  # fmt: skip
+def measure(
+    kind: str, fraction: float | None, args: argparse.Namespace, device: torch.device
+) -> dict:
     torch.cuda.reset_peak_memory_stats(device)
     pipeline, data = build(kind, fraction, args, device)
     batches = iter([criteo_batch(data, s, args.batch_size) for s in range(args.steps)])
@@ -113,11 +131,15 @@ def measure(kind: str, fraction: float | None, args: argparse.Namespace,
             break
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    steady = times[args.warmup:] or times
-    return {"setting": kind, "cache_fraction": fraction, "steps": len(times),
-            "step_ms": 1000 * statistics.median(steady),
-            "samples_per_s": args.batch_size / statistics.median(steady),
-            "peak_hbm_mb": torch.cuda.max_memory_allocated(device) / 2**20}  # fmt: skip
+    steady = times[args.warmup :] or times
+    return {
+        "setting": kind,
+        "cache_fraction": fraction,
+        "steps": len(times),
+        "step_ms": 1000 * statistics.median(steady),
+        "samples_per_s": args.batch_size / statistics.median(steady),
+        "peak_hbm_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,19 +164,27 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     try:
-        results = [measure(kind, fraction, args, device) for kind, fraction in
-                   settings(args.cache_fractions)]  # fmt: skip
+        results = [
+            measure(kind, fraction, args, device)
+            for kind, fraction in settings(args.cache_fractions)
+        ]
     finally:
         dist.destroy_process_group()
     print(f"{'setting':>10}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}")
     for r in results:
         share = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.0%}"
-        print(f"{r['setting']:>10}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
-              f"{r['peak_hbm_mb']:>13,.0f}")  # fmt: skip
+        print(
+            f"{r['setting']:>10}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
+            f"{r['peak_hbm_mb']:>13,.0f}"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine(), "gpu": torch.cuda.get_device_name(device),
-              "config": vars(args), "results": results}  # fmt: skip
+    report = {
+        "machine": machine(),
+        "gpu": torch.cuda.get_device_name(device),
+        "config": vars(args),
+        "results": results,
+    }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out / 'report.json'}")
     return 0

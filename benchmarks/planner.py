@@ -63,20 +63,36 @@ def main() -> None:
             measured_misses += misses[half:].sum()
             predicted_misses += stat.expected_miss_rate(capacity / n) * step_distinct.sum()
             distinct += step_distinct.sum()
-        errors.append({"load_factor": clf, "predicted": predicted_misses / distinct,
-                       "measured": measured_misses / distinct})  # fmt: skip
+        errors.append(
+            {
+                "load_factor": clf,
+                "predicted": predicted_misses / distinct,
+                "measured": measured_misses / distinct,
+            }
+        )
 
-    report = {"config": {k: str(v) for k, v in vars(args).items()}, "machine": machine(),
-              "rows": sum(rows), "statistics_s": stats_s, "accuracy": errors}  # fmt: skip
+    report = {
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "machine": machine(),
+        "rows": sum(rows),
+        "statistics_s": stats_s,
+        "accuracy": errors,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
-    print(f"\n{len(rows)} tables, {sum(rows):,} rows: statistics from {args.sample_batches} "
-          f"batches of {args.batch_size} in {stats_s:.1f} s")  # fmt: skip
-    print(f"{'cache':>7} {'predicted':>10} {'measured':>9} {'error':>7}  "
-          f"(full run: {args.full_batches} batches, second half)")  # fmt: skip
+    print(
+        f"\n{len(rows)} tables, {sum(rows):,} rows: statistics from {args.sample_batches} "
+        f"batches of {args.batch_size} in {stats_s:.1f} s"
+    )
+    print(
+        f"{'cache':>7} {'predicted':>10} {'measured':>9} {'error':>7}  "
+        f"(full run: {args.full_batches} batches, second half)"
+    )
     for e in errors:
-        print(f"{e['load_factor']:>7.0%} {e['predicted']:>10.3f} {e['measured']:>9.3f} "
-              f"{e['predicted'] - e['measured']:>+7.3f}")  # fmt: skip
+        print(
+            f"{e['load_factor']:>7.0%} {e['predicted']:>10.3f} {e['measured']:>9.3f} "
+            f"{e['predicted'] - e['measured']:>+7.3f}"
+        )
     print(f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores")
 
 

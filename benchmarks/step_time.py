@@ -50,10 +50,11 @@ from torchrec_lookahead.testing.resident import FullyResidentEmbeddingBagCollect
 
 def table_configs(args: argparse.Namespace, data: SyntheticCriteo) -> list[EmbeddingBagConfig]:
     return [
-        EmbeddingBagConfig(name=f"t_{name}", embedding_dim=args.dim, num_embeddings=rows,
-                           feature_names=[name])
+        EmbeddingBagConfig(
+            name=f"t_{name}", embedding_dim=args.dim, num_embeddings=rows, feature_names=[name]
+        )
         for name, rows in zip(feature_names(data), data.num_embeddings)
-    ]  # fmt: skip
+    ]
 
 
 def rank_data(args: argparse.Namespace, rank: int) -> SyntheticCriteo:
@@ -62,9 +63,14 @@ def rank_data(args: argparse.Namespace, rank: int) -> SyntheticCriteo:
 
 def dlrm(collection: torch.nn.Module, args: argparse.Namespace) -> DLRMTrain:
     torch.manual_seed(args.seed)
-    return DLRMTrain(DLRM(embedding_bag_collection=collection, dense_in_features=13,
-                          dense_arch_layer_sizes=[64, args.dim],
-                          over_arch_layer_sizes=[64, 32, 1]))  # fmt: skip
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=collection,
+            dense_in_features=13,
+            dense_arch_layer_sizes=[64, args.dim],
+            over_arch_layer_sizes=[64, 32, 1],
+        )
+    )
 
 
 def timed_training(pipeline_or_step, batches: list, desc: str, timings=None):
@@ -122,13 +128,18 @@ def run_unsharded(args: argparse.Namespace) -> dict:
         optimizer.step()
 
     base_times, _ = timed_training(resident_step, batches, "all resident")
-    pipeline = LookaheadTrainPipeline(cached, dense(cached), torch.device("cpu"),
-                                      lookahead=args.lookahead,
-                                      prefetch_distance=args.prefetch_distance,
-                                      stage_thread=STAGE_THREAD[args.stage])  # fmt: skip
+    pipeline = LookaheadTrainPipeline(
+        cached,
+        dense(cached),
+        torch.device("cpu"),
+        lookahead=args.lookahead,
+        prefetch_distance=args.prefetch_distance,
+        stage_thread=STAGE_THREAD[args.stage],
+    )
     it = iter(batches)
-    times, parts = timed_training(lambda _: pipeline.progress(it), batches, "lookahead",
-                                  pipeline.timings)  # fmt: skip
+    times, parts = timed_training(
+        lambda _: pipeline.progress(it), batches, "lookahead", pipeline.timings
+    )
     drain(pipeline, it)
     state = ebc.state_dict()
     tbe = resident.model.sparse_arch.embedding_bag_collection.tbe
@@ -139,8 +150,16 @@ def run_unsharded(args: argparse.Namespace) -> dict:
         torch.equal(a, b)
         for a, b in zip(cached.model.over_arch.parameters(), resident.model.over_arch.parameters())
     )
-    return summarise(args, base_times, times, parts, pipeline, same,
-                     sum(ebc.cached_groups[0].cache_rows), sum(data.num_embeddings))  # fmt: skip
+    return summarise(
+        args,
+        base_times,
+        times,
+        parts,
+        pipeline,
+        same,
+        sum(ebc.cached_groups[0].cache_rows),
+        sum(data.num_embeddings),
+    )
 
 
 # --------------------------------------------------------------------- DMP
@@ -170,27 +189,34 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
 
     def build(ebc, sharders):
         model = dlrm(ebc, args)
-        apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(),
-                                    {"lr": args.embedding_lr})  # fmt: skip
+        apply_optimizer_in_backward(
+            RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": args.embedding_lr}
+        )
         # Both models get the same plan: table-wise, fused. (Left alone, TorchRec's
         # planner makes small tables data-parallel, trained by the dense optimizer.)
         same_plan = {
             t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
             for t in tables
         }
-        planner = EmbeddingShardingPlanner(Topology(world_size=ws, compute_device="cpu"),
-                                           batch_size=args.batch_size,
-                                           constraints=same_plan)  # fmt: skip
+        planner = EmbeddingShardingPlanner(
+            Topology(world_size=ws, compute_device="cpu"),
+            batch_size=args.batch_size,
+            constraints=same_plan,
+        )
         plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-        dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan,
-                                       sharders=sharders)  # fmt: skip
-        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                      lambda ps: torch.optim.SGD(ps, lr=args.dense_lr))  # fmt: skip
+        dmp = DistributedModelParallel(
+            model, device=torch.device("cpu"), plan=plan, sharders=sharders
+        )
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp.named_parameters())),
+            lambda ps: torch.optim.SGD(ps, lr=args.dense_lr),
+        )
         return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
     meta = torch.device("meta")
-    base, base_opt = build(EmbeddingBagCollection(tables, device=meta),
-                           [EmbeddingBagCollectionSharder()])  # fmt: skip
+    base, base_opt = build(
+        EmbeddingBagCollection(tables, device=meta), [EmbeddingBagCollectionSharder()]
+    )
     clf = args.cache_load_factor
     look_ebc = LookaheadEmbeddingBagCollection(tables, device=meta, cache_load_factor=clf)
     look, look_opt = build(look_ebc, [LookaheadEmbeddingBagCollectionSharder()])
@@ -199,21 +225,28 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
 
     base_pipeline = TrainPipelineSparseDist(base, base_opt, torch.device("cpu"))
     it = iter(batches)
-    base_times, _ = timed_training(lambda _: base_pipeline.progress(it), batches,
-                                   f"rank {rank} plain TorchRec")  # fmt: skip
-    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"),
-                                      lookahead=args.lookahead,
-                                      prefetch_distance=args.prefetch_distance,
-                                      stage_thread=STAGE_THREAD[args.stage])  # fmt: skip
+    base_times, _ = timed_training(
+        lambda _: base_pipeline.progress(it), batches, f"rank {rank} plain TorchRec"
+    )
+    pipeline = LookaheadTrainPipeline(
+        look,
+        look_opt,
+        torch.device("cpu"),
+        lookahead=args.lookahead,
+        prefetch_distance=args.prefetch_distance,
+        stage_thread=STAGE_THREAD[args.stage],
+    )
     it = iter(batches)
-    times, parts = timed_training(lambda _: pipeline.progress(it), batches,
-                                  f"rank {rank} lookahead", pipeline.timings)  # fmt: skip
+    times, parts = timed_training(
+        lambda _: pipeline.progress(it), batches, f"rank {rank} lookahead", pipeline.timings
+    )
     drain(pipeline, it)
     same = _same_local_state(base.state_dict(), look.state_dict())
     sharded = [m for m in look.modules() if hasattr(m, "cached_groups")][0]
     rank_cache_rows = sum(sum(g.cache_rows) for g in sharded.cached_groups)
-    report = summarise(args, base_times, times, parts, pipeline, same, rank_cache_rows,
-                       sum(data.num_embeddings))  # fmt: skip
+    report = summarise(
+        args, base_times, times, parts, pipeline, same, rank_cache_rows, sum(data.num_embeddings)
+    )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()  # no rank shuts down while another's collectives are in flight
     dist.destroy_process_group()
@@ -236,8 +269,9 @@ def run_dmp(args: argparse.Namespace) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(dmp_worker, args=(args, port, out_dir), nprocs=args.world_size, join=True)
-        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text())
-                 for r in range(args.world_size)]  # fmt: skip
+        ranks = [
+            json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(args.world_size)
+        ]
     report = dict(ranks[0])  # rank 0 speaks for the run; every rank is kept below
     report["ranks"] = ranks
     report["same_weights"] = all(r["same_weights"] for r in ranks)
@@ -258,8 +292,10 @@ def summarise(args, base_times, times, parts, pipeline, same, cache_rows_, rows)
     look = {k.replace("_s", "_ms"): ms([p[k] for p in parts]) for k in parts[0]}
     look["step_ms"] = ms(times)
     look["other_ms"] = look["step_ms"] - sum(v for k, v in look.items() if k != "step_ms")
-    background = {f"background_{k.replace('_s', '_ms')}": 1000 * v / len(times)
-                  for k, v in pipeline.stage_timings.items()}  # fmt: skip
+    background = {
+        f"background_{k.replace('_s', '_ms')}": 1000 * v / len(times)
+        for k, v in pipeline.stage_timings.items()
+    }
     metrics = pipeline.cache_metrics()["total"]
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -268,19 +304,25 @@ def summarise(args, base_times, times, parts, pipeline, same, cache_rows_, rows)
         "cache_rows": cache_rows_,
         "measured_steps": measured,
         "baseline": {"step_ms": ms(base_times)},
-        "lookahead": look | background | {
+        "lookahead": look
+        | background
+        | {
             "hit_rate": metrics.hit_rate,
             "rows_fetched_per_step": metrics.rows_fetched / len(times),
             "rows_written_back_per_step": metrics.rows_written_back / len(times),
         },
         "ratio": look["step_ms"] / ms(base_times),
         "same_weights": bool(same),
-    }  # fmt: skip
+    }
 
 
 STAGE_THREAD = {"thread": True, "inline": False}  # --stage: stage_thread=
-PARTS = (("stage_ms", "stage wait"), ("wait_ms", "executor wait"), ("compute_ms", "fwd/bwd/opt"),
-         ("other_ms", "other"))  # fmt: skip
+PARTS = (
+    ("stage_ms", "stage wait"),
+    ("wait_ms", "executor wait"),
+    ("compute_ms", "fwd/bwd/opt"),
+    ("other_ms", "other"),
+)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -301,8 +343,11 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel("ms per step")
     share = report["cache_rows"] / report["rows"]
     where = "unsharded" if cfg["world_size"] == 0 else f"DMP world size {cfg['world_size']}"
-    ax.set_title(f"DLRM, {where}, cache {share:.1%} of {report['rows']:,} rows, "
-                 f"L={cfg['lookahead']}, batch {cfg['batch_size']}", fontsize=10)  # fmt: skip
+    ax.set_title(
+        f"DLRM, {where}, cache {share:.1%} of {report['rows']:,} rows, "
+        f"L={cfg['lookahead']}, batch {cfg['batch_size']}",
+        fontsize=10,
+    )
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -338,8 +383,9 @@ def main() -> None:
 
     # Each repeat runs the baseline, then lookahead: the two alternate in blocks, and the
     # report is the repeat with the median ratio (this machine drifts within a minute).
-    repeats = [run_dmp(args) if args.world_size else run_unsharded(args)
-               for _ in range(args.repeats)]  # fmt: skip
+    repeats = [
+        run_dmp(args) if args.world_size else run_unsharded(args) for _ in range(args.repeats)
+    ]
     report = sorted(repeats, key=lambda r: r["ratio"])[len(repeats) // 2]
     report["ratios"] = [r["ratio"] for r in repeats]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -349,24 +395,31 @@ def main() -> None:
     look = report["lookahead"]
     baseline = "all resident" if args.world_size == 0 else "plain TorchRec"
     where = "unsharded" if args.world_size == 0 else f"DMP world size {args.world_size}, rank 0"
-    print(f"\nDLRM {where}: {report['rows']:,} rows, cache {report['cache_rows']:,} rows, batch "
-          f"{args.batch_size}, L={args.lookahead}, d={args.prefetch_distance}, "
-          f"{report['measured_steps']} steps after {args.warmup} warm-up")  # fmt: skip
+    print(
+        f"\nDLRM {where}: {report['rows']:,} rows, cache {report['cache_rows']:,} rows, batch "
+        f"{args.batch_size}, L={args.lookahead}, d={args.prefetch_distance}, "
+        f"{report['measured_steps']} steps after {args.warmup} warm-up"
+    )
     header = ["run", "step ms"] + [label for _, label in PARTS]
     print("{:>15} {:>8} {:>10} {:>13} {:>11} {:>6}".format(*header))
     print("{:>15} {:>8.2f}".format(baseline, report["baseline"]["step_ms"]))
     cells = [look["step_ms"]] + [look[k] for k, _ in PARTS]
-    print("{:>15} {:>8.2f} {:>10.3f} {:>13.2f} {:>11.2f} {:>6.2f}".format(
-        "lookahead", *cells))  # fmt: skip
-    print(f"the stage's CPU time per step: input dist {look['background_input_dist_ms']:.2f} ms, "
-          f"planning {look['background_plan_ms']:.2f} ms")  # fmt: skip
-    print(f"ratio {report['ratio']:.2f}x (median of {args.repeats}: "
-          f"{', '.join(f'{r:.2f}' for r in report['ratios'])}), hit rate {look['hit_rate']:.3f}, "
-          f"{look['rows_fetched_per_step']:.0f} rows fetched and "
-          f"{look['rows_written_back_per_step']:.0f} written back per step, "
-          f"same final weights: {report['same_weights']}")  # fmt: skip
-    print(f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
-          f"wrote {args.out / 'report.json'} and {args.out / 'step_time.png'}")  # fmt: skip
+    print("{:>15} {:>8.2f} {:>10.3f} {:>13.2f} {:>11.2f} {:>6.2f}".format("lookahead", *cells))
+    print(
+        f"the stage's CPU time per step: input dist {look['background_input_dist_ms']:.2f} ms, "
+        f"planning {look['background_plan_ms']:.2f} ms"
+    )
+    print(
+        f"ratio {report['ratio']:.2f}x (median of {args.repeats}: "
+        f"{', '.join(f'{r:.2f}' for r in report['ratios'])}), hit rate {look['hit_rate']:.3f}, "
+        f"{look['rows_fetched_per_step']:.0f} rows fetched and "
+        f"{look['rows_written_back_per_step']:.0f} written back per step, "
+        f"same final weights: {report['same_weights']}"
+    )
+    print(
+        f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
+        f"wrote {args.out / 'report.json'} and {args.out / 'step_time.png'}"
+    )
 
 
 if __name__ == "__main__":

@@ -40,30 +40,40 @@ dataloader = [criteo_batch(data, step, B) for step in range(40)]
 torch.manual_seed(0)
 
 # --- the canonical use, as docs/design.md shows it ---
-# fmt: off
-tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=n,
-                             feature_names=[f"cat_{i}"]) for i, n in enumerate(sizes)]
-ebc = LookaheadEmbeddingBagCollection(tables=tables, device=torch.device("meta"),
-                                      cache_load_factor=0.05)
-model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                       dense_arch_layer_sizes=[32, 16], over_arch_layer_sizes=[32, 1]))
+tables = [
+    EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=n, feature_names=[f"cat_{i}"])
+    for i, n in enumerate(sizes)
+]
+ebc = LookaheadEmbeddingBagCollection(
+    tables=tables, device=torch.device("meta"), cache_load_factor=0.05
+)
+model = DLRMTrain(
+    DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[32, 16],
+        over_arch_layer_sizes=[32, 1],
+    )
+)
 apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
 sharders = [LookaheadEmbeddingBagCollectionSharder()]
-plan = EmbeddingShardingPlanner(topology=Topology(world_size=ws, compute_device="cpu"),
-                                batch_size=B).collective_plan(model, sharders, dist.GroupMember.WORLD)  # noqa: E501
+plan = EmbeddingShardingPlanner(
+    topology=Topology(world_size=ws, compute_device="cpu"), batch_size=B
+).collective_plan(model, sharders, dist.GroupMember.WORLD)
 dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
-dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                              lambda ps: torch.optim.SGD(ps, lr=0.1))
+dense = KeyedOptimizerWrapper(
+    dict(in_backward_optimizer_filter(dmp.named_parameters())),
+    lambda ps: torch.optim.SGD(ps, lr=0.1),
+)
 opt = CombinedOptimizer([dmp.fused_optimizer, dense])
 pipeline = LookaheadTrainPipeline(dmp, opt, torch.device("cpu"), lookahead=16)
-it = iter(dataloader)            # yields torchrec.datasets.utils.Batch
+it = iter(dataloader)  # yields torchrec.datasets.utils.Batch
 while True:
     try:
         pipeline.progress(it)
     except StopIteration:
         break
-state = dmp.state_dict()         # full, current tables
-# fmt: on
+state = dmp.state_dict()  # full, current tables
 # --- end of the canonical use ---
 
 if dist.get_rank() == 0:

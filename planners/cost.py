@@ -23,10 +23,13 @@ def row_move_bandwidth(topology: Topology) -> float:
     return topology.ddr_mem_bw if topology.compute_device == "cpu" else topology.hbm_to_ddr_mem_bw
 
 
-ROWWISE_OPTIMIZERS = frozenset({
-    EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD,
-    EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
-})  # fmt: skip
+ROWWISE_OPTIMIZERS = frozenset(
+    {
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD,
+        EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
+    }
+)
 
 
 def optimizer_state_floats(optimizer: EmbOptimType | type, dim: int) -> int:

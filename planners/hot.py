@@ -144,13 +144,19 @@ def hot_rows_report(proposal: HotRowsProposal) -> str:
     row = "{:<16} {:>10} {:>12} {:>14} {:>12}"
     lines = [row.format("table", "hot rows", "hot lookups", "KiB saved/step", "replica MiB")]
     for name, share in proposal.lookup_share.items():
-        lines.append(row.format(
-            name, len(proposal.hot.get(name, [])), f"{share:.1%}",
-            f"{proposal.saved_bytes_per_step[name] / 1024:.1f}",
-            f"{proposal.replica_bytes[name] / 2**20:.2f}",
-        ))  # fmt: skip
+        lines.append(
+            row.format(
+                name,
+                len(proposal.hot.get(name, [])),
+                f"{share:.1%}",
+                f"{proposal.saved_bytes_per_step[name] / 1024:.1f}",
+                f"{proposal.replica_bytes[name] / 2**20:.2f}",
+            )
+        )
     total = sum(proposal.replica_bytes.values())
-    lines.append(f"{proposal.rows:,} hot rows: {total / 2**20:.2f} MiB on every rank, "
-                 f"{sum(proposal.saved_bytes_per_step.values()) / 1024:.1f} KiB less sent "
-                 "per step and rank (sample estimate)")  # fmt: skip
+    lines.append(
+        f"{proposal.rows:,} hot rows: {total / 2**20:.2f} MiB on every rank, "
+        f"{sum(proposal.saved_bytes_per_step.values()) / 1024:.1f} KiB less sent "
+        "per step and rank (sample estimate)"
+    )
     return "\n".join(lines)

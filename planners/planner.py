@@ -55,11 +55,16 @@ def lookahead_planner(
     if missing:
         raise ValueError(f"no cache statistics for tables {missing}")
     costs = {
-        t.name: TableCacheCost(t.name, t.num_embeddings, t.embedding_dim,
-                               optimizer_state_floats(optimizer, t.embedding_dim),
-                               statistics[t.name], optimizer in ROWWISE_OPTIMIZERS)
+        t.name: TableCacheCost(
+            t.name,
+            t.num_embeddings,
+            t.embedding_dim,
+            optimizer_state_floats(optimizer, t.embedding_dim),
+            statistics[t.name],
+            optimizer in ROWWISE_OPTIMIZERS,
+        )
         for t in tables
-    }  # fmt: skip
+    }
     proposal = LookaheadCacheProposer(
         row_move_bandwidth(topology), step_compute_ms, cache_budget_bytes
     ).propose(list(costs.values()))
@@ -87,19 +92,37 @@ def lookahead_planner(
 def plan_report(plan: ShardingPlan, proposal: CacheProposal) -> str:
     """A line per lookahead table: sharding, ranks, cache size, predicted misses, traffic, RAM."""
     row = "{:<16} {:<18} {:<10} {:>10} {:>9} {:>9} {:>10} {:>9}"
-    lines = [row.format("table", "sharding", "ranks", "cache load", "miss rate", "KiB/step",
-                        "device MiB", "host MiB")]  # fmt: skip
+    lines = [
+        row.format(
+            "table",
+            "sharding",
+            "ranks",
+            "cache load",
+            "miss rate",
+            "KiB/step",
+            "device MiB",
+            "host MiB",
+        )
+    ]
     for module_plan in plan.plan.values():
         for name, sharding in module_plan.items():
             if name not in proposal.load_factors:
                 continue
             ranks = ",".join(str(r) for r in sorted(set(sharding.ranks or [])))
-            lines.append(row.format(
-                name, sharding.sharding_type, ranks, f"{proposal.load_factors[name]:.3f}",
-                f"{proposal.miss_rates[name]:.3f}", f"{proposal.bytes_per_step[name] / 1024:.1f}",
-                f"{proposal.device_bytes[name] / 2**20:.2f}",
-                f"{proposal.host_bytes[name] / 2**20:.2f}",
-            ))  # fmt: skip
-    lines.append(f"row traffic {proposal.transfer_ms:.3f} ms/step, "
-                 f"stall {proposal.stall_ms:.3f} ms/step beyond compute")  # fmt: skip
+            lines.append(
+                row.format(
+                    name,
+                    sharding.sharding_type,
+                    ranks,
+                    f"{proposal.load_factors[name]:.3f}",
+                    f"{proposal.miss_rates[name]:.3f}",
+                    f"{proposal.bytes_per_step[name] / 1024:.1f}",
+                    f"{proposal.device_bytes[name] / 2**20:.2f}",
+                    f"{proposal.host_bytes[name] / 2**20:.2f}",
+                )
+            )
+    lines.append(
+        f"row traffic {proposal.transfer_ms:.3f} ms/step, "
+        f"stall {proposal.stall_ms:.3f} ms/step beyond compute"
+    )
     return "\n".join(lines)

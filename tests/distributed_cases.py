@@ -63,10 +63,11 @@ class Case:
 def tables() -> list[EmbeddingBagConfig]:
     names = feature_names(SyntheticCriteo(table_sizes=SIZES))
     return [
-        EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n,
-                           feature_names=[names[i]])
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[names[i]]
+        )
         for i, n in enumerate(SIZES)
-    ]  # fmt: skip
+    ]
 
 
 class RowWiseOnCpuSharder(EmbeddingBagCollectionSharder):
@@ -82,8 +83,12 @@ class RowWiseOnCpuSharder(EmbeddingBagCollectionSharder):
 def build(ebc, sharders, case: Case, world_size: int, planner=None, configure=None):
     """The DLRM model of ``ebc`` sharded by DMP, with its optimizers and plan; the fused
     optimizer is ``case.optimizer`` at rate 0.05, or what ``configure(model)`` sets."""
-    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                dense_arch_layer_sizes=[32, DIM], over_arch_layer_sizes=[32, 1])  # fmt: skip
+    dlrm = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[32, DIM],
+        over_arch_layer_sizes=[32, 1],
+    )
     model = DLRMTrain(dlrm)
     if configure is not None:
         configure(model)
@@ -145,8 +150,10 @@ def rank_data_and_baseline(case: Case, rank: int, world_size: int):
         batches = [deduplicated_sessions(b, case.session) for b in batches]
     baseline = build(
         EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
-        [RowWiseOnCpuSharder()], case, world_size,
-    )  # fmt: skip
+        [RowWiseOnCpuSharder()],
+        case,
+        world_size,
+    )
     return batches, baseline
 
 
@@ -169,10 +176,12 @@ def bad_inverse_indices(batch: Batch) -> Batch:
     inverse = inverse.clone()
     inverse[0, 0] = features.stride_per_key()[0]
     bad = KeyedJaggedTensor(
-        keys=features.keys(), values=features.values(), lengths=features.lengths(),
+        keys=features.keys(),
+        values=features.values(),
+        lengths=features.lengths(),
         stride_per_key_per_rank=features.stride_per_key_per_rank(),
         inverse_indices=(names, inverse),
-    )  # fmt: skip
+    )
     return Batch(batch.dense_features, bad, batch.labels)
 
 
@@ -181,16 +190,23 @@ def check(case: Case, rank: int, world_size: int) -> None:
     sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     store_dir = tempfile.mkdtemp(prefix="lookahead-store-") if case.store_dir else None
     ebc = LookaheadEmbeddingBagCollection(
-        tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor,
+        tables=tables(),
+        device=torch.device("meta"),
+        cache_load_factor=case.cache_load_factor,
         store_dir=store_dir,
-    )  # fmt: skip
+    )
     look, look_opt, look_plan = build(ebc, sharders, case, world_size)
     assert str(base_plan) == str(look_plan), "both models must get the same plan"
     look.load_state_dict(base.state_dict())  # a plain TorchRec checkpoint
 
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
-    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=case.lookahead,
-                                      stage_thread=case.stage_thread)  # fmt: skip
+    pipeline = LookaheadTrainPipeline(
+        look,
+        look_opt,
+        torch.device("cpu"),
+        lookahead=case.lookahead,
+        stage_thread=case.stage_thread,
+    )
     stream, refused = list(batches), []
     if case.session:  # a batch with a bad inverse index on rank 0 only: every rank drops it
         stream.insert(5, bad_inverse_indices(batches[5]) if rank == 0 else batches[5])
@@ -227,23 +243,34 @@ def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
     path = [tempfile.mkdtemp(prefix="lookahead-ckpt-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path)
     chunk_bytes = 4096
-    dcp.save({"model": look[0].state_dict(), "optim": look[1].state_dict()},
-             checkpoint_id=path[0], planner=StreamingSavePlanner(chunk_bytes))  # fmt: skip
-    tables_md = [md for fqn, md in dcp.FileSystemReader(path[0]).read_metadata()
-                 .state_dict_metadata.items() if "embedding_bags" in fqn]  # fmt: skip
+    dcp.save(
+        {"model": look[0].state_dict(), "optim": look[1].state_dict()},
+        checkpoint_id=path[0],
+        planner=StreamingSavePlanner(chunk_bytes),
+    )
+    tables_md = [
+        md
+        for fqn, md in dcp.FileSystemReader(path[0]).read_metadata().state_dict_metadata.items()
+        if "embedding_bags" in fqn
+    ]
     assert tables_md
     for md in tables_md:
         assert len(md.chunks) > world_size, "a table larger than a chunk was saved whole"
         assert all(c.sizes.numel() * 4 <= chunk_bytes for c in md.chunks)
-    fresh = build(EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
-                  [RowWiseOnCpuSharder()], case, world_size)  # fmt: skip
+    fresh = build(
+        EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
+        [RowWiseOnCpuSharder()],
+        case,
+        world_size,
+    )
     state = {"model": fresh[0].state_dict(), "optim": fresh[1].state_dict()}
     dcp.load(state, checkpoint_id=path[0], planner=StreamingLoadPlanner())
     fresh[0].load_state_dict(state["model"])
     fresh[1].load_state_dict(state["optim"])
     assert_equal_states(base[0].state_dict(), fresh[0].state_dict(), f"{case} streamed weights")
-    assert_equal_states(base[1].state_dict()["state"], fresh[1].state_dict()["state"],
-                        f"{case} streamed optimizer")  # fmt: skip
+    assert_equal_states(
+        base[1].state_dict()["state"], fresh[1].state_dict()["state"], f"{case} streamed optimizer"
+    )
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path[0])
@@ -287,9 +314,13 @@ class MixedModel(torch.nn.Module):
 
     def forward(self, batch):
         pooled = torch.cat(
-            [self.cached(batch.sparse_features).values(),
-             self.plain(batch.sparse_features).values(), batch.dense_features], dim=1,
-        )  # fmt: skip
+            [
+                self.cached(batch.sparse_features).values(),
+                self.plain(batch.sparse_features).values(),
+                batch.dense_features,
+            ],
+            dim=1,
+        )
         logits = self.over(pooled).squeeze(1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
         return loss, (loss.detach(), logits.detach())
@@ -332,9 +363,10 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
         values = extra.sparse_features.values().clone()
         values[3] = 10**9
         extra.sparse_features = KeyedJaggedTensor.from_lengths_sync(
-            keys=extra.sparse_features.keys(), values=values,
+            keys=extra.sparse_features.keys(),
+            values=values,
             lengths=extra.sparse_features.lengths(),
-        )  # fmt: skip
+        )
     base, base_opt = mixed(EmbeddingBagCollection, get_default_sharders(), world_size)
     look, look_opt = mixed(LookaheadEmbeddingBagCollection, lookahead_sharders(), world_size)
     look.load_state_dict(base.state_dict())
@@ -342,8 +374,9 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
     base_pipeline = TrainPipelineSparseDist(base, base_opt, torch.device("cpu"))
     expected = train(base_pipeline, batches)
     base_pipeline.detach()  # restore the forward TorchRec's pipeline rewrote
-    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8,
-                                      stage_thread=True)  # fmt: skip
+    pipeline = LookaheadTrainPipeline(
+        look, look_opt, torch.device("cpu"), lookahead=8, stage_thread=True
+    )
     it, got, errors = iter(batches[:5] + [extra] + batches[5:]), [], []
     probe = criteo_batch(data, 2000, BATCH)
     while True:
@@ -354,11 +387,19 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
         except ValueError as error:
             errors.append(str(error))
         if len(got) == 20:  # optimizer state read mid-training must be current
-            first = [t.clone() for v in look_opt.state_dict()["state"].values()
-                     for s in v.values() for t in local(s)]  # fmt: skip
+            first = [
+                t.clone()
+                for v in look_opt.state_dict()["state"].values()
+                for s in v.values()
+                for t in local(s)
+            ]
             look.state_dict()  # writes every cache back
-            again = [t for v in look_opt.state_dict()["state"].values()
-                     for s in v.values() for t in local(s)]  # fmt: skip
+            again = [
+                t
+                for v in look_opt.state_dict()["state"].values()
+                for s in v.values()
+                for t in local(s)
+            ]
             assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
         if len(got) == 30:  # eval mid-training, caches dirty: must see the current weights
             look.eval()
@@ -402,14 +443,16 @@ def check_malformed_batches(rank: int, world_size: int) -> None:
     for i, kind in reversed(list(enumerate(kinds))):  # at steps 0, 2, 4, ... of the good ones
         spare = criteo_batch(extra, i, BATCH)
         stream.insert(2 * i, malformed(kind, spare) if i % world_size == rank else spare)
-    ebc = LookaheadEmbeddingBagCollection(tables=tables(), device=torch.device("meta"),
-                                          cache_load_factor=case.cache_load_factor)  # fmt: skip
+    ebc = LookaheadEmbeddingBagCollection(
+        tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor
+    )
     look, look_opt, _ = build(ebc, [LookaheadEmbeddingBagCollectionSharder()], case, world_size)
     look.load_state_dict(base.state_dict())
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
     refused: list[str] = []
-    got = train(LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8),
-                stream, refused)  # fmt: skip
+    got = train(
+        LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8), stream, refused
+    )
     assert len(refused) == len(kinds), refused
     for i, (kind, message) in enumerate(zip(kinds, refused)):
         phrase = MALFORMED[kind][1] if i % world_size == rank else "another rank refused"
@@ -426,20 +469,26 @@ def check_row_wise_refuses_deduplicated_batches(rank: int, world_size: int) -> N
     case = Case("row_wise", "sgd", 4)
     data = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=100 + rank)
     batches = [deduplicated_sessions(criteo_batch(data, s, BATCH), 4) for s in range(5)]
-    ebc = LookaheadEmbeddingBagCollection(tables=tables(), device=torch.device("meta"),
-                                          cache_load_factor=case.cache_load_factor)  # fmt: skip
+    ebc = LookaheadEmbeddingBagCollection(
+        tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor
+    )
     sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     look, look_opt, _ = build(ebc, sharders, case, world_size)
     refused: list[str] = []
-    got = train(LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=4),
-                batches, refused)  # fmt: skip
+    got = train(
+        LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=4), batches, refused
+    )
     assert got == [] and len(refused) == len(batches), refused
     assert all("cannot reach row-wise shards over gloo" in m for m in refused), refused
 
 
 def row_wise_deduplicated_worker(rank: int, world_size: int, port: int) -> None:
-    _in_process_group(rank, world_size, port,
-                      lambda: check_row_wise_refuses_deduplicated_batches(rank, world_size))
+    _in_process_group(
+        rank,
+        world_size,
+        port,
+        lambda: check_row_wise_refuses_deduplicated_batches(rank, world_size),
+    )
 
 
 def malformed_worker(rank: int, world_size: int, port: int) -> None:
@@ -447,8 +496,9 @@ def malformed_worker(rank: int, world_size: int, port: int) -> None:
 
 
 def integration_worker(rank: int, world_size: int, port: int, checkpoint_dir: str) -> None:
-    _in_process_group(rank, world_size, port,
-                      lambda: check_integration(rank, world_size, checkpoint_dir))  # fmt: skip
+    _in_process_group(
+        rank, world_size, port, lambda: check_integration(rank, world_size, checkpoint_dir)
+    )
 
 
 def check_planned(rank: int, world_size: int) -> None:
@@ -465,23 +515,32 @@ def check_planned(rank: int, world_size: int) -> None:
     stats = {
         t.name: LookaheadCacheStatistics(
             [b.sparse_features[t.feature_names[0]].values() for b in sample_batches],
-            t.num_embeddings, case.lookahead, 1, t.name,
+            t.num_embeddings,
+            case.lookahead,
+            1,
+            t.name,
         )
         for t in tables()
-    }  # fmt: skip
+    }
     budget = 150_000
     planner, proposal = lookahead_planner(
-        Topology(world_size=world_size, compute_device="cpu"), BATCH, tables(), stats,
-        EmbOptimType.EXACT_ROWWISE_ADAGRAD, step_compute_ms=0.0, cache_budget_bytes=budget,
+        Topology(world_size=world_size, compute_device="cpu"),
+        BATCH,
+        tables(),
+        stats,
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        step_compute_ms=0.0,
+        cache_budget_bytes=budget,
         constraints={t.name: ParameterConstraints(sharding_types=["table_wise"]) for t in tables()},
-    )  # fmt: skip
+    )
     assert sum(proposal.device_bytes.values()) <= budget
     assert len(set(proposal.load_factors.values())) > 1, "tables should get different sizes"
 
     batches, (base, base_opt, _) = rank_data_and_baseline(case, rank, world_size)
     ebc = LookaheadEmbeddingBagCollection(tables=tables(), device=torch.device("meta"))
-    look, look_opt, plan = build(ebc, [LookaheadEmbeddingBagCollectionSharder()], case, world_size,
-                                 planner)  # fmt: skip
+    look, look_opt, plan = build(
+        ebc, [LookaheadEmbeddingBagCollectionSharder()], case, world_size, planner
+    )
     if rank == 0:
         print(plan_report(plan, proposal))
     sharded = next(m for m in look.modules() if hasattr(m, "cached_groups"))
@@ -491,8 +550,10 @@ def check_planned(rank: int, world_size: int) -> None:
             assert slots == min(rows, want), (name, slots, want)
     look.load_state_dict(base.state_dict())
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
-    got = train(LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8,
-                                       stage_thread=True), batches)  # fmt: skip
+    got = train(
+        LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8, stage_thread=True),
+        batches,
+    )
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     assert_equal_states(base.state_dict(), look.state_dict(), "planned weights")
     assert_equal_states(base_opt.state_dict()["state"], look_opt.state_dict()["state"], "optim")
@@ -515,9 +576,15 @@ def hot_ids(world_size: int, per_table: int) -> dict[str, list[int]]:
 def max_difference(expected: dict, got: dict) -> float:
     """The largest absolute difference between two states' local tensors."""
     assert list(expected) == list(got)
-    return max((float((a - b).abs().max()) for key in expected
-                for a, b in zip(local(expected[key]), local(got[key]), strict=True)
-                if a.numel()), default=0.0)  # fmt: skip
+    return max(
+        (
+            float((a - b).abs().max())
+            for key in expected
+            for a, b in zip(local(expected[key]), local(got[key]), strict=True)
+            if a.numel()
+        ),
+        default=0.0,
+    )
 
 
 def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
@@ -532,17 +599,25 @@ def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
     sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     store_dir = tempfile.mkdtemp(prefix="lookahead-store-") if case.store_dir else None
     ebc = LookaheadEmbeddingBagCollection(
-        tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor,
-        hot_rows=hot_ids(world_size, 64), store_dir=store_dir,
-    )  # fmt: skip
+        tables=tables(),
+        device=torch.device("meta"),
+        cache_load_factor=case.cache_load_factor,
+        hot_rows=hot_ids(world_size, 64),
+        store_dir=store_dir,
+    )
     look, look_opt, look_plan = build(ebc, sharders, case, world_size)
     assert str(base_plan) == str(look_plan)
     look.load_state_dict(base.state_dict())  # a plain TorchRec checkpoint, replicas from it
     base_pipeline = TrainPipelineSparseDist(base, base_opt, torch.device("cpu"))
     expected = train(base_pipeline, batches)
     base_pipeline.detach()  # restore the forward TorchRec's pipeline rewrote
-    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=case.lookahead,
-                                      stage_thread=case.stage_thread)  # fmt: skip
+    pipeline = LookaheadTrainPipeline(
+        look,
+        look_opt,
+        torch.device("cpu"),
+        lookahead=case.lookahead,
+        stage_thread=case.stage_thread,
+    )
     # A deduplicated batch on rank 0 only (hot rows take plain batches): every rank drops it.
     stream, refused = list(batches), []
     stream.insert(5, deduplicated_sessions(batches[5], 4) if rank == 0 else batches[5])
@@ -552,8 +627,11 @@ def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
     assert len(refused) == 1 and want in refused[0], refused
     assert len(got) == len(expected) == case.steps
     per_step = [float((a - b).abs().max()) for a, b in zip(expected, got)]
-    worst = max(max(per_step), max_difference(base.state_dict(), look.state_dict()),
-                max_difference(base_opt.state_dict()["state"], look_opt.state_dict()["state"]))
+    worst = max(
+        max(per_step),
+        max_difference(base.state_dict(), look.state_dict()),
+        max_difference(base_opt.state_dict()["state"], look_opt.state_dict()["state"]),
+    )
     print(f"{case}: rank {rank}: largest difference {worst:.3g}")
     assert worst == 0, f"{case}: rank {rank} differs by {worst}"
     sharded = next(m for m in look.modules() if hasattr(m, "replica_metrics"))

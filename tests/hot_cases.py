@@ -106,8 +106,10 @@ def check_hot_case(case: HotCase, rank: int, world_size: int) -> None:
     base_it, look_it = iter(batches), iter(batches)
     for step in range(case.steps):
         if case.schedule:
-            for groups, rates in ((base_opt.param_groups, base_rates),
-                                  (look_opt.param_groups, look_rates)):  # fmt: skip
+            for groups, rates in (
+                (base_opt.param_groups, base_rates),
+                (look_opt.param_groups, look_rates),
+            ):
                 for group, lr in zip(groups, rates):
                     group["lr"] = lr * rate(step)
         expected = base_pipe.progress(base_it)[1]
@@ -130,8 +132,9 @@ def check_hot_case(case: HotCase, rank: int, world_size: int) -> None:
     base_pipe.detach()
     look_pipe.close()
     assert_same(base.state_dict(), look.state_dict(), f"{case} weights")
-    assert_same(base_opt.state_dict()["state"], look_opt.state_dict()["state"],
-                f"{case} optimizer state")  # fmt: skip
+    assert_same(
+        base_opt.state_dict()["state"], look_opt.state_dict()["state"], f"{case} optimizer state"
+    )
     sharded = next(m for m in look.modules() if hasattr(m, "replica_metrics"))
     assert sharded.replica_metrics.hot_share > 0.3, sharded.replica_metrics
     for mine in sharded.replica_rows():

@@ -16,8 +16,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 def _rebuilt(batch: Batch, **changes: object) -> Batch:
     kjt = batch.sparse_features
-    parts = {"keys": kjt.keys(), "values": kjt.values(), "weights": kjt.weights_or_none(),
-             "lengths": kjt.lengths()}  # fmt: skip
+    parts = {
+        "keys": kjt.keys(),
+        "values": kjt.values(),
+        "weights": kjt.weights_or_none(),
+        "lengths": kjt.lengths(),
+    }
     parts.update(changes)
     return Batch(batch.dense_features, KeyedJaggedTensor(**parts), batch.labels)
 
@@ -33,8 +37,11 @@ def _with_values(batch: Batch, more: int) -> Batch:
     values, weights = batch.sparse_features.values(), _weights(batch)
     if more < 0:
         return _rebuilt(batch, values=values[:more], weights=weights[:more])
-    return _rebuilt(batch, values=torch.cat([values, values[:more]]),
-                    weights=torch.cat([weights, weights[:more]]))  # fmt: skip
+    return _rebuilt(
+        batch,
+        values=torch.cat([values, values[:more]]),
+        weights=torch.cat([weights, weights[:more]]),
+    )
 
 
 def _negative_length(batch: Batch) -> Batch:
@@ -48,15 +55,23 @@ def _decreasing_offsets(batch: Batch) -> Batch:
     kjt = batch.sparse_features
     offsets = kjt.offsets().clone()
     offsets[2] = offsets[-1]  # from 0 to the end, but not monotone
-    return Batch(batch.dense_features,
-                 KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), offsets=offsets,
-                                   weights=kjt.weights_or_none()), batch.labels)  # fmt: skip
+    return Batch(
+        batch.dense_features,
+        KeyedJaggedTensor(
+            keys=kjt.keys(), values=kjt.values(), offsets=offsets, weights=kjt.weights_or_none()
+        ),
+        batch.labels,
+    )
 
 
 def _wrong_lengths_size(batch: Batch) -> Batch:
     lengths = batch.sparse_features.lengths()[:-2]
-    return _rebuilt(batch, lengths=lengths, values=batch.sparse_features.values()[
-        : int(lengths.sum())], weights=_weights(batch)[: int(lengths.sum())])  # fmt: skip
+    return _rebuilt(
+        batch,
+        lengths=lengths,
+        values=batch.sparse_features.values()[: int(lengths.sum())],
+        weights=_weights(batch)[: int(lengths.sum())],
+    )
 
 
 def _repeated_key(batch: Batch) -> Batch:
@@ -90,12 +105,21 @@ MALFORMED: dict[str, tuple[Callable[[Batch], Batch], str, type[Exception]]] = {
     "negative_length": (_negative_length, "negative length", ValueError),
     "decreasing_offsets": (_decreasing_offsets, "offsets decrease", ValueError),
     "wrong_lengths_size": (_wrong_lengths_size, "bags", ValueError),
-    "float_ids": (lambda b: _rebuilt(b, values=b.sparse_features.values().float()),
-                  "values must be int64 or int32", TypeError),
-    "int16_ids": (lambda b: _rebuilt(b, values=b.sparse_features.values().short()),
-                  "values must be int64 or int32", TypeError),
-    "integer_weights": (lambda b: _rebuilt(b, weights=_weights(b).long()),
-                        "weights must be floating point", TypeError),
+    "float_ids": (
+        lambda b: _rebuilt(b, values=b.sparse_features.values().float()),
+        "values must be int64 or int32",
+        TypeError,
+    ),
+    "int16_ids": (
+        lambda b: _rebuilt(b, values=b.sparse_features.values().short()),
+        "values must be int64 or int32",
+        TypeError,
+    ),
+    "integer_weights": (
+        lambda b: _rebuilt(b, weights=_weights(b).long()),
+        "weights must be floating point",
+        TypeError,
+    ),
     "repeated_key": (_repeated_key, "repeats the features", ValueError),
     "unknown_key": (_unknown_key, "no embedding module knows", ValueError),
     "wrong_length_per_key": (_wrong_length_per_key, "length_per_key", ValueError),

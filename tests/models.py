@@ -189,10 +189,14 @@ def train_lookahead(
 
     dense = torch.optim.SGD(model.over.parameters(), lr=DENSE_LR)
     pipeline = LookaheadTrainPipeline(
-        model, dense, torch.device("cpu"), lookahead=lookahead,
-        prefetch_distance=prefetch_distance, planning_workers=planning_workers,
+        model,
+        dense,
+        torch.device("cpu"),
+        lookahead=lookahead,
+        prefetch_distance=prefetch_distance,
+        planning_workers=planning_workers,
         stage_thread=stage_thread,
-    )  # fmt: skip
+    )
     outputs, it = [], iter(data)
     while True:
         try:

@@ -13,10 +13,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "oracle.py"), "--out", str(tmp_path),
-           "--scale", "0.002", "--batch-size", "256", "--steps", "20",
-           "--cache-fractions", "0.01", "0.1", "--lookaheads", "2", "--tp-rows", "20000",
-           "--tp-batch", "4096", "--tp-batches", "4", "--repeats", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "oracle.py"),
+        "--out",
+        str(tmp_path),
+        "--scale",
+        "0.002",
+        "--batch-size",
+        "256",
+        "--steps",
+        "20",
+        "--cache-fractions",
+        "0.01",
+        "0.1",
+        "--lookaheads",
+        "2",
+        "--tp-rows",
+        "20000",
+        "--tp-batch",
+        "4096",
+        "--tp-batches",
+        "4",
+        "--repeats",
+        "1",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "MIN" in out and "Planning speed" in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -31,9 +52,24 @@ def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
 
 
 def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--out", str(tmp_path),
-           "--scale", "0.001", "--batch-size", "64", "--steps", "12", "--warmup", "2",
-           "--lookahead", "4", "--repeats", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "step_time.py"),
+        "--out",
+        str(tmp_path),
+        "--scale",
+        "0.001",
+        "--batch-size",
+        "64",
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--lookahead",
+        "4",
+        "--repeats",
+        "1",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "all resident" in out and "same final weights: True" in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -44,9 +80,26 @@ def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -
 
 
 def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--out", str(tmp_path),
-           "--world-size", "1", "--scale", "0.001", "--batch-size", "64", "--steps", "12",
-           "--warmup", "2", "--lookahead", "4", "--repeats", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "step_time.py"),
+        "--out",
+        str(tmp_path),
+        "--world-size",
+        "1",
+        "--scale",
+        "0.001",
+        "--batch-size",
+        "64",
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--lookahead",
+        "4",
+        "--repeats",
+        "1",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "plain TorchRec" in out and "same final weights: True" in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -55,9 +108,22 @@ def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Pa
 
 
 def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "planner.py"), "--out", str(tmp_path),
-           "--scale", "0.001", "--batch-size", "256", "--sample-batches", "10",
-           "--full-batches", "20", "--lookahead", "4"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "planner.py"),
+        "--out",
+        str(tmp_path),
+        "--scale",
+        "0.001",
+        "--batch-size",
+        "256",
+        "--sample-batches",
+        "10",
+        "--full-batches",
+        "20",
+        "--lookahead",
+        "4",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["statistics_s"] > 0 and len(report["accuracy"]) == 3 and "predicted" in out
@@ -67,10 +133,32 @@ def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> 
 def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None:
     store = tmp_path / "store"
     store.mkdir()
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "disk_store.py"), "--out", str(tmp_path),
-           "--scale", "0.001", "--batch-size", "64", "--steps", "12", "--warmup", "2",
-           "--repeats", "1", "--huge-gb", "0.02", "--huge-steps", "12", "--checkpoint-gb",
-           "0.02", "--checkpoint-steps", "2", "--store-dir", str(store)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "disk_store.py"),
+        "--out",
+        str(tmp_path),
+        "--scale",
+        "0.001",
+        "--batch-size",
+        "64",
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--repeats",
+        "1",
+        "--huge-gb",
+        "0.02",
+        "--huge-steps",
+        "12",
+        "--checkpoint-gb",
+        "0.02",
+        "--checkpoint-steps",
+        "2",
+        "--store-dir",
+        str(store),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "disk, no read-ahead" in out and "larger than RAM" in out and "DCP checkpoints" in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -84,10 +172,27 @@ def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None
 
 
 def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "dedup.py"), "--out", str(tmp_path),
-           "--scale", "0.001", "--batch-size", "128", "--steps", "8", "--samples-per-day",
-           "4096", "--sessions", "1", "8", "--repeats", "1",
-           "--data-cache", str(tmp_path / "data")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "dedup.py"),
+        "--out",
+        str(tmp_path),
+        "--scale",
+        "0.001",
+        "--batch-size",
+        "128",
+        "--steps",
+        "8",
+        "--samples-per-day",
+        "4096",
+        "--sessions",
+        "1",
+        "8",
+        "--repeats",
+        "1",
+        "--data-cache",
+        str(tmp_path / "data"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "Deduplicated batches" in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -126,17 +231,43 @@ def test_batch_check_report_times_both_checks(tmp_path: Path) -> None:
     assert "structure" in out and "ids" in out
     results = json.loads((tmp_path / "report.json").read_text())["results"]
     assert {(r["check"], r["batch_size"]) for r in results} == {
-        (c, b) for c in ("structure", "ids") for b in (64, 128)}  # fmt: skip
+        (c, b) for c in ("structure", "ids") for b in (64, 128)
+    }
     assert all(len(r["ms_runs"]) == 2 and r["ms"] > 0 for r in results)
     assert {r["ids"] for r in results if r["batch_size"] == 64} == {64 * 26}
 
 
 def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "data.py"), "--out", str(tmp_path),
-           "--data-dir", str(data), "--small-gb", "0.01", "--large-gb", "0.02", "--days", "3",
-           "--scale", "0.001", "--batch-size", "128", "--steps", "12", "--world-sizes", "1",
-           "--workers", "0", "1", "--repeats", "1", "--shuffle-chunk", "1024"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "data.py"),
+        "--out",
+        str(tmp_path),
+        "--data-dir",
+        str(data),
+        "--small-gb",
+        "0.01",
+        "--large-gb",
+        "0.02",
+        "--days",
+        "3",
+        "--scale",
+        "0.001",
+        "--batch-size",
+        "128",
+        "--steps",
+        "12",
+        "--world-sizes",
+        "1",
+        "--workers",
+        "0",
+        "1",
+        "--repeats",
+        "1",
+        "--shuffle-chunk",
+        "1024",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "Data larger than memory" in out
     report = json.loads((tmp_path / "report.json").read_text())
@@ -152,10 +283,28 @@ def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) ->
 
 
 def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "comm.py"), "--out", str(tmp_path),
-           "--world-size", "2", "--scales", "0.001", "--batch-size", "128", "--steps", "4",
-           "--runs", "1", "--samples-per-day", "4096", "--sample-batches", "6",
-           "--data-cache", str(tmp_path / "data")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "comm.py"),
+        "--out",
+        str(tmp_path),
+        "--world-size",
+        "2",
+        "--scales",
+        "0.001",
+        "--batch-size",
+        "128",
+        "--steps",
+        "4",
+        "--runs",
+        "1",
+        "--samples-per-day",
+        "4096",
+        "--sample-batches",
+        "6",
+        "--data-cache",
+        str(tmp_path / "data"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     assert "bytes_ratio" in out and "time_ratio" in out
     (result,) = json.loads((tmp_path / "report.json").read_text())["results"]

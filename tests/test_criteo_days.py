@@ -55,16 +55,14 @@ def torchrec_rank_share(batch, rank: int, world_size: int):
     features = batch.sparse_features
     lengths = features.lengths().view(26, -1)[:, rank * size : (rank + 1) * size]
     values = features.values().view(26, -1)[:, rank * size : (rank + 1) * size]
-    return type(
-        batch
-    )(
+    return type(batch)(
         batch.dense_features[rank * size : (rank + 1) * size],
         type(features)(
             keys=features.keys(),
             values=values.reshape(-1),
             lengths=lengths.reshape(-1),
             stride=size,
-        ),  # fmt: skip
+        ),
         batch.labels[rank * size : (rank + 1) * size],
     )
 
@@ -75,9 +73,14 @@ def test_file_order_reads_what_torchrecs_reader_reads(tmp_path: Path, world_size
     global_batch = 128
     train = days[:-1]
     theirs = InMemoryBinaryCriteoIterDataPipe(
-        "train", *([str(p) for p in paths] for paths in zip(*(d.paths() for d in train))),
-        batch_size=global_batch, rank=0, world_size=1, drop_last=True, hashes=HASHES,
-    )  # fmt: skip
+        "train",
+        *([str(p) for p in paths] for paths in zip(*(d.paths() for d in train))),
+        batch_size=global_batch,
+        rank=0,
+        world_size=1,
+        drop_last=True,
+        hashes=HASHES,
+    )
     order = SampleOrder(*stage_samples(days, "train"), global_batch)
     theirs = list(theirs)
     assert len(theirs) == order.steps == 1700 // 128
@@ -92,19 +95,32 @@ def test_training_on_it_equals_training_on_torchrecs_reader(tmp_path: Path) -> N
     rank 1 share, cut by hand from TorchRec's global batches), ends bitwise equal."""
     days = find_days(write_days(tmp_path))
     theirs = InMemoryBinaryCriteoIterDataPipe(
-        "train", *([str(p) for p in paths] for paths in zip(*(d.paths() for d in days[:-1]))),
-        batch_size=128, rank=0, world_size=1, drop_last=True, hashes=HASHES,
-    )  # fmt: skip
+        "train",
+        *([str(p) for p in paths] for paths in zip(*(d.paths() for d in days[:-1]))),
+        batch_size=128,
+        rank=0,
+        world_size=1,
+        drop_last=True,
+        hashes=HASHES,
+    )
     ours = CriteoDayReader(days, SampleOrder(*stage_samples(days, "train"), 128), 1, 2, HASHES)
     models = []
     for stream in ([torchrec_rank_share(b, 1, 2) for b in theirs], ours.loader(num_workers=1)):
         torch.manual_seed(0)
-        tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=8, num_embeddings=rows,
-                                     feature_names=[k])
-                  for k, rows in zip(DEFAULT_CAT_NAMES, HASHES)]  # fmt: skip
-        model = DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(tables),
-                               dense_in_features=13, dense_arch_layer_sizes=[16, 8],
-                               over_arch_layer_sizes=[16, 1]))  # fmt: skip
+        tables = [
+            EmbeddingBagConfig(
+                name=f"t_{k}", embedding_dim=8, num_embeddings=rows, feature_names=[k]
+            )
+            for k, rows in zip(DEFAULT_CAT_NAMES, HASHES)
+        ]
+        model = DLRMTrain(
+            DLRM(
+                embedding_bag_collection=EmbeddingBagCollection(tables),
+                dense_in_features=13,
+                dense_arch_layer_sizes=[16, 8],
+                over_arch_layer_sizes=[16, 1],
+            )
+        )
         optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
         for batch in stream:
             optimizer.zero_grad()
@@ -129,10 +145,14 @@ def test_shuffled_order_is_a_seeded_permutation_per_epoch_and_any_world_size(
     days = find_days(write_days(tmp_path))
     order = SampleOrder(*stage_samples(days, "train"), 64, epochs=2, seed=5, chunk_samples=300)
     per_epoch = [
-        np.concatenate([order.step_samples(s + e * order.steps_per_epoch)
-                        for s in range(order.steps_per_epoch)])
+        np.concatenate(
+            [
+                order.step_samples(s + e * order.steps_per_epoch)
+                for s in range(order.steps_per_epoch)
+            ]
+        )
         for e in range(2)
-    ]  # fmt: skip
+    ]
     for samples in per_epoch:  # each sample at most once per epoch, the dropped tail aside
         assert len(np.unique(samples)) == len(samples) == 1700 // 64 * 64
         assert samples.min() >= 0 and samples.max() < 1700
@@ -207,20 +227,32 @@ def test_page_advice_drops_what_was_read_from_the_mapping(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda f: f.with_name("day_1_sparse.npy").write_bytes(
-            f.with_name("day_1_sparse.npy").read_bytes()[:-100]), "day_1_sparse.npy: .* truncated"),
-        (lambda f: np.save(f.with_name("day_0_dense.npy"), np.zeros((1000, 12), np.float32)),
-         r"day_0_dense.npy: float32 \[1000, 12\]; expected dense \[N, 13\]"),
-        (lambda f: np.save(f.with_name("day_0_dense.npy"), np.zeros((1000, 13))),
-         r"day_0_dense.npy: float64"),
-        (lambda f: np.save(f.with_name("day_1_labels.npy"), np.zeros((699, 1), np.int32)),
-         r"day 1's files disagree on its sample count: \{'dense': 700, .* 'labels': 699"),
+        (
+            lambda f: f.with_name("day_1_sparse.npy").write_bytes(
+                f.with_name("day_1_sparse.npy").read_bytes()[:-100]
+            ),
+            "day_1_sparse.npy: .* truncated",
+        ),
+        (
+            lambda f: np.save(f.with_name("day_0_dense.npy"), np.zeros((1000, 12), np.float32)),
+            r"day_0_dense.npy: float32 \[1000, 12\]; expected dense \[N, 13\]",
+        ),
+        (
+            lambda f: np.save(f.with_name("day_0_dense.npy"), np.zeros((1000, 13))),
+            r"day_0_dense.npy: float64",
+        ),
+        (
+            lambda f: np.save(f.with_name("day_1_labels.npy"), np.zeros((699, 1), np.int32)),
+            r"day 1's files disagree on its sample count: \{'dense': 700, .* 'labels': 699",
+        ),
         (lambda f: f.with_name("day_2_labels.npy").unlink(), "day 2 lacks"),
         (lambda f: f.with_name("day_0_labels.npy").write_bytes(b"not numpy"), "not a .npy file"),
-        (lambda f: np.save(f.with_name("day_0_labels.npy"), np.zeros(1000, np.int32)),
-         "a 1-D int32 array; expected 2-D"),
+        (
+            lambda f: np.save(f.with_name("day_0_labels.npy"), np.zeros(1000, np.int32)),
+            "a 1-D int32 array; expected 2-D",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_day_files_are_refused_naming_the_file(tmp_path: Path, damage, message) -> None:
     folder = write_days(tmp_path)
     damage(folder / "day_0_dense.npy")
@@ -255,7 +287,7 @@ def test_streamed_conversion_equals_torchrecs_and_restarts_where_it_stopped(
     )
     done_at = (out / "day_0.done").stat().st_mtime_ns
     tsvs[2].write_text(good)
-    days = convert_tsv_days(tsvs, out, block_bytes=10_000, progress=False)  # fmt: skip
+    days = convert_tsv_days(tsvs, out, block_bytes=10_000, progress=False)
     assert (out / "day_0.done").stat().st_mtime_ns == done_at  # days done are not redone
     assert [d.rows for d in days] == [2000, 2001, 2002] and (out / DONE).exists()
     for day, tsv in enumerate(tsvs):
@@ -275,7 +307,7 @@ def test_streamed_conversion_equals_torchrecs_and_restarts_where_it_stopped(
         (lambda fields: [fields[0], "3000000000", *fields[2:]], r"field 2 .* of 32 bits"),
         (lambda fields: [*fields[:-1], "f" * 16], r"field 40 is 'f{16}', not .* below 2\*\*63"),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_line_is_named(tmp_path: Path, mutate, message) -> None:
     lines = tsv_day(tmp_path / "day_0", 100, 0).read_text().splitlines()
     lines[42] = "\t".join(mutate(lines[42].split("\t")))

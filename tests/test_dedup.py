@@ -45,21 +45,26 @@ def test_gather_bags_expands_bitwise_as_fbgemm_does() -> None:
     torch.manual_seed(0)
     batch, dim = 96, 8
     bags = [batch, 5, 1, 17, batch, 3]  # features kept whole and deduplicated ones
-    inverse = torch.stack([torch.randperm(batch) if n == batch else torch.randint(0, n, (batch,))
-                           for n in bags])  # fmt: skip
+    inverse = torch.stack(
+        [torch.randperm(batch) if n == batch else torch.randint(0, n, (batch,)) for n in bags]
+    )
     gradient = torch.randn(batch, len(bags) * dim)
     flat = torch.randn(sum(bags) * dim, requires_grad=True)
     expanded = {
         "gather_bags": lambda x: gather_bags(x, inverse, bags, dim),
         "batch_index_select_dim0": lambda x: torch.ops.fbgemm.batch_index_select_dim0(
-            inputs=x, indices=inverse.reshape(-1), input_num_indices=[batch] * len(bags),
-            input_rows=bags, input_columns=[dim] * len(bags), permute_output_dim_0_1=True,
+            inputs=x,
+            indices=inverse.reshape(-1),
+            input_num_indices=[batch] * len(bags),
+            input_rows=bags,
+            input_columns=[dim] * len(bags),
+            permute_output_dim_0_1=True,
         ).view(batch, -1),
         "group_index_select_dim0": lambda x: process_pooled_embeddings(
             [block.view(n, dim) for block, n in zip(x.split([n * dim for n in bags]), bags)],
             inverse,
         ),
-    }  # fmt: skip
+    }
     results = {}
     for name, expand in expanded.items():
         flat.grad = None
@@ -150,10 +155,13 @@ def test_eval_mode_expands_deduplicated_batches() -> None:
 
 def _with(features: KeyedJaggedTensor, **changes) -> KeyedJaggedTensor:
     parts = dict(
-        keys=features.keys(), values=features.values(), weights=features.weights(),
-        lengths=features.lengths(), stride_per_key_per_rank=features.stride_per_key_per_rank(),
+        keys=features.keys(),
+        values=features.values(),
+        weights=features.weights(),
+        lengths=features.lengths(),
+        stride_per_key_per_rank=features.stride_per_key_per_rank(),
         inverse_indices=features.inverse_indices(),
-    )  # fmt: skip
+    )
     parts.update(changes)
     return KeyedJaggedTensor(**parts)
 
@@ -173,17 +181,24 @@ def _strides():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (lambda: _bad_inverse(8), r"step 5: feature 'f0': inverse index 8 is out of range for "
-                                  r"its 8 bags"),
+        (
+            lambda: _bad_inverse(8),
+            r"step 5: feature 'f0': inverse index 8 is out of range for "
+            r"its 8 bags",
+        ),
         (lambda: _bad_inverse(-1), "inverse index -1 is out of range"),
-        (lambda: {"inverse_indices": (KEYS, torch.zeros(5, 32, dtype=torch.int64))},
-         r"inverse_indices must be an integer tensor \[keys, batch\] = \[6, batch\]"),
-        (lambda: {"inverse_indices": (KEYS[1:], torch.zeros(5, 32, dtype=torch.int64))},
-         r"inverse_indices has no row for features \['f0'\]"),
+        (
+            lambda: {"inverse_indices": (KEYS, torch.zeros(5, 32, dtype=torch.int64))},
+            r"inverse_indices must be an integer tensor \[keys, batch\] = \[6, batch\]",
+        ),
+        (
+            lambda: {"inverse_indices": (KEYS[1:], torch.zeros(5, 32, dtype=torch.int64))},
+            r"inverse_indices has no row for features \['f0'\]",
+        ),
         (_strides, r"the strides \[9, 32, .*\] add up to 121 bags but the batch has 120 lengths"),
         (lambda: {"inverse_indices": None}, "needs inverse_indices"),
     ],
-)  # fmt: skip
+)
 def test_bad_deduplicated_batches_are_refused_and_training_goes_on(changes, message) -> None:
     model = lookahead_model("rowwise_adagrad", cache_load_factor=0.1)
     twin = reference_twin(model, "rowwise_adagrad")

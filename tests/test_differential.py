@@ -17,24 +17,56 @@ T = TableSpec
 FOUND = [
     # Hot ids split off a window's first batch left t1's cache too small for a later
     # batch with more cold ids: a batch refused where plain TorchRec trains.
-    Config(seed=1, index=2, world_size=2, tables=(
-        T("t0", 1, 4, ("f0",), "table_wise", "adagrad", 0.3, False),
-        T("t1", 20, 4, ("f1",), "table_wise", "adagrad", 0.3, False),
-        T("t2", 2000, 4, ("f2",), "row_wise", "adagrad", 0.3, False),
-        T("t3", 1, 4, ("f3",), "table_wise", "adagrad", 0.3, False)),
-        pooling="sum", weighted=False, batch=16, steps=12, cache_load_factor=0.11,
-        lookahead=16, prefetch_distance=0, hot="on", dedup=False, disk_store=False,
-        schedule="none", events=(), stage_thread=True),
+    Config(
+        seed=1,
+        index=2,
+        world_size=2,
+        tables=(
+            T("t0", 1, 4, ("f0",), "table_wise", "adagrad", 0.3, False),
+            T("t1", 20, 4, ("f1",), "table_wise", "adagrad", 0.3, False),
+            T("t2", 2000, 4, ("f2",), "row_wise", "adagrad", 0.3, False),
+            T("t3", 1, 4, ("f3",), "table_wise", "adagrad", 0.3, False),
+        ),
+        pooling="sum",
+        weighted=False,
+        batch=16,
+        steps=12,
+        cache_load_factor=0.11,
+        lookahead=16,
+        prefetch_distance=0,
+        hot="on",
+        dedup=False,
+        disk_store=False,
+        schedule="none",
+        events=(),
+        stage_thread=True,
+    ),
     # A model built anew sums its dense gradients in another order at 4 ranks (in plain
     # TorchRec too): both sides resume. Also a batch one rank refuses.
-    Config(seed=0, index=96, world_size=4, tables=(
-        T("t0", 20000, 8, ("f0",), "table_column_wise", "adagrad", 0.3, True),
-        T("t1", 300, 4, ("f1",), "table_wise", "adagrad", 0.3, True),
-        T("t2", 1, 8, ("f2",), "column_wise", "adagrad", 0.3, False)),
-        pooling="sum", weighted=False, batch=4, steps=12, cache_load_factor=0.0394,
-        lookahead=1, prefetch_distance=1, hot="off", dedup=False, disk_store=False,
-        schedule="none", events=((3, "resume"), (5, "refuse")), stage_thread=False),
-]  # fmt: skip
+    Config(
+        seed=0,
+        index=96,
+        world_size=4,
+        tables=(
+            T("t0", 20000, 8, ("f0",), "table_column_wise", "adagrad", 0.3, True),
+            T("t1", 300, 4, ("f1",), "table_wise", "adagrad", 0.3, True),
+            T("t2", 1, 8, ("f2",), "column_wise", "adagrad", 0.3, False),
+        ),
+        pooling="sum",
+        weighted=False,
+        batch=4,
+        steps=12,
+        cache_load_factor=0.0394,
+        lookahead=1,
+        prefetch_distance=1,
+        hot="off",
+        dedup=False,
+        disk_store=False,
+        schedule="none",
+        events=((3, "resume"), (5, "refuse")),
+        stage_thread=False,
+    ),
+]
 
 
 @pytest.mark.parametrize("config", FOUND, ids=["hot-rows-cache-floor", "resume-at-4-ranks"])

@@ -119,8 +119,9 @@ def test_a_store_of_another_model_or_damaged_is_refused(tmp_path):
     os.truncate(tmp_path / "t0.weight.f32", 320)  # whole again: the store opens
     StoreFiles(tmp_path).close()
     for shape in (["ten", 8], [10.5, 8], "10x8", [-10, 8]):
-        (tmp_path / "layout.json").write_text(json.dumps({"t0.weight": {"shape": shape,
-                                                                         "dtype": "f32"}}))
+        (tmp_path / "layout.json").write_text(
+            json.dumps({"t0.weight": {"shape": shape, "dtype": "f32"}})
+        )
         with pytest.raises(ValueError, match="layout.json.*not a store's"):
             StoreFiles(tmp_path)
 
@@ -135,8 +136,9 @@ def test_a_layout_or_lock_that_is_a_directory_is_refused(tmp_path, name):
 def test_a_store_larger_than_the_free_disk_is_refused_before_writing(tmp_path):
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     rows = free // (4 * 64) + 1
-    huge = [EmbeddingBagConfig(name="big", embedding_dim=64, num_embeddings=rows,
-                               feature_names=["f"])]  # fmt: skip
+    huge = [
+        EmbeddingBagConfig(name="big", embedding_dim=64, num_embeddings=rows, feature_names=["f"])
+    ]
     with pytest.raises(ValueError, match="no space in store_dir .* for the tables"):
         LookaheadEmbeddingBagCollection(tables=huge, store_dir=tmp_path)
     assert {p.name for p in tmp_path.iterdir()} <= {".lock"}
@@ -156,8 +158,9 @@ def test_a_full_disk_is_found_before_training_not_at_its_first_step(tmp_path, mo
     written = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
     monkeypatch.setattr(disk, "_free_bytes", lambda directory: 4096)
     with pytest.raises(ValueError, match="no space in store_dir .* for the optimizer state"):
-        LookaheadTrainPipeline(model, torch.optim.SGD(model.over.parameters(), lr=0.1),
-                               torch.device("cpu"))  # fmt: skip
+        LookaheadTrainPipeline(
+            model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu")
+        )
     assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == written
 
 
@@ -177,7 +180,11 @@ def test_small_sizes_are_reported_in_small_units() -> None:
     from torchrec_lookahead.store.files import _size
 
     assert [_size(n) for n in (12, 4_096, 3_500_000, 2 * 10**9)] == [
-        "12 bytes", "4.10 kB", "3.50 MB", "2.00 GB"]  # fmt: skip
+        "12 bytes",
+        "4.10 kB",
+        "3.50 MB",
+        "2.00 GB",
+    ]
 
 
 def test_read_ahead_advises_each_run_of_pages_once(tmp_path):

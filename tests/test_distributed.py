@@ -36,8 +36,13 @@ def test_canonical_use_matches_plain_torchrec() -> None:
     draws far more combinations: world sizes 1 to 4, per-table settings, events.)"""
     types = ["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"]
     optimizers = list(OPTIMIZERS)
-    spawn(2, [Case(t, optimizers[i % 3], 16 if i % 2 else 1, stage_thread=bool(i % 2))
-              for i, t in enumerate(types)])  # fmt: skip
+    spawn(
+        2,
+        [
+            Case(t, optimizers[i % 3], 16 if i % 2 else 1, stage_thread=bool(i % 2))
+            for i, t in enumerate(types)
+        ],
+    )
 
 
 def test_the_sharder_offers_torchrecs_types_and_row_wise_on_the_cpu_when_asked() -> None:
@@ -66,8 +71,12 @@ def test_a_row_wise_plan_with_an_empty_shard_is_refused_before_sharding() -> Non
         LookaheadEmbeddingBagCollectionSharder,
     )
 
-    tables = [EmbeddingBagConfig(name=f"t{rows}", embedding_dim=8, num_embeddings=rows,
-                                 feature_names=[f"f{rows}"]) for rows in (1, 100)]  # fmt: skip
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{rows}", embedding_dim=8, num_embeddings=rows, feature_names=[f"f{rows}"]
+        )
+        for rows in (1, 100)
+    ]
     module = LookaheadEmbeddingBagCollection(tables, device=torch.device("meta"))
     sharder = LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)
     row_wise = {t.name: ParameterConstraints(sharding_types=["row_wise"]) for t in tables}
@@ -93,9 +102,11 @@ def test_disk_store_matches_plain_torchrec(world_size: int) -> None:
 def test_deduplicated_batches_match_plain_torchrec(world_size: int) -> None:
     spawn(
         world_size,
-        [Case("table_wise", "sgd", 16, cache_load_factor=0.05, session=4),
-         Case("column_wise", "rowwise_adagrad", 8, cache_load_factor=0.05, session=8)],
-    )  # fmt: skip
+        [
+            Case("table_wise", "sgd", 16, cache_load_factor=0.05, session=4),
+            Case("column_wise", "rowwise_adagrad", 8, cache_load_factor=0.05, session=8),
+        ],
+    )
 
 
 def test_mixed_modules_bad_batch_on_one_rank_eval_and_checkpoint(tmp_path) -> None:

@@ -77,9 +77,22 @@ def check_against_reference(
     return pipeline.cache_metrics()["total"]
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
-@pytest.mark.parametrize("lookahead", [1, 8, 64])
-@pytest.mark.parametrize("prefetch_distance", [1, 2])
+# Every pair of (optimizer, lookahead, prefetch distance) values once: 9 runs, not 18
+# (the differential harness draws the rest of the space in CI).
+ALL_PAIRS = [
+    ("sgd", 1, 1),
+    ("sgd", 8, 2),
+    ("sgd", 64, 1),
+    ("adagrad", 1, 2),
+    ("adagrad", 8, 1),
+    ("adagrad", 64, 2),
+    ("rowwise_adagrad", 1, 1),
+    ("rowwise_adagrad", 8, 2),
+    ("rowwise_adagrad", 64, 2),
+]
+
+
+@pytest.mark.parametrize(("optimizer", "lookahead", "prefetch_distance"), ALL_PAIRS)
 def test_small_cache_matches_all_resident_training(optimizer, lookahead, prefetch_distance):
     metrics = check_against_reference(
         optimizer, lookahead, prefetch_distance, cache_load_factor=0.1

@@ -47,8 +47,9 @@ def test_killed_rank_restarts_and_ends_bitwise_equal(
     tmp_path: Path, uninterrupted: str, failure: str, killed: str
 ) -> None:
     save_dir = tmp_path / "ckpt"
-    done, summary = run(tmp_path, *TINY, *STEPS, "--save_dir", str(save_dir), *failure.split(),
-                        ranks=2, restarts=3)  # fmt: skip
+    done, summary = run(
+        tmp_path, *TINY, *STEPS, "--save_dir", str(save_dir), *failure.split(), ranks=2, restarts=3
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert killed in done.stderr
     # Step 20's checkpoint never happened or was never published: the restart takes step 10.
@@ -66,8 +67,15 @@ def test_killed_rank_restarts_and_ends_bitwise_equal(
 def test_saving_twice_to_one_step(tmp_path: Path) -> None:
     """The data ends on a checkpoint step; a resumed run ends on the step it resumed from."""
     save_dir = tmp_path / "ckpt"
-    flags = [*TINY, "--limit_train_batches", "20", "--checkpoint_every", "10",
-             "--save_dir", str(save_dir)]  # fmt: skip
+    flags = [
+        *TINY,
+        "--limit_train_batches",
+        "20",
+        "--checkpoint_every",
+        "10",
+        "--save_dir",
+        str(save_dir),
+    ]
     first, trained = run(tmp_path / "first", *flags, "--async_checkpoint")
     assert first.returncode == 0, first.stderr[-3000:]
     assert sorted(p.name for p in save_dir.iterdir()) == CHECKPOINTS[:3]
@@ -91,8 +99,7 @@ def test_a_lost_rank_shrinks_the_job_to_one_rank_with_the_same_global_batch(
     equal to 4 decimals; with --adagrad (not run here) within 7e-6, AUROC equal too."""
     save_dir = tmp_path / "ckpt"
     flags = [*TINY, *STEPS, "--save_dir", str(save_dir)]
-    lost, _ = run(tmp_path / "lost", *flags, "--fail_at_step", "17", "--fail_rank", "1",
-                  ranks=2)  # fmt: skip
+    lost, _ = run(tmp_path / "lost", *flags, "--fail_at_step", "17", "--fail_rank", "1", ranks=2)
     assert lost.returncode != 0 and "rank 1: killed at step 17" in lost.stderr
     done, shrunk = run(tmp_path / "shrunk", *flags, "--batch_size", "256", "--resume")
     assert done.returncode == 0, done.stderr[-3000:]

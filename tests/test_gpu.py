@@ -70,8 +70,9 @@ def test_unsharded_cuda_cache_matches_all_resident_training(dedup: bool, optimiz
         loss.backward()
         dense.step()
         expected.append(logits)
-    pipeline = LookaheadTrainPipeline(model, torch.optim.SGD(model.over.parameters(),
-                                      lr=DENSE_LR), CUDA, lookahead=8)  # fmt: skip
+    pipeline = LookaheadTrainPipeline(
+        model, torch.optim.SGD(model.over.parameters(), lr=DENSE_LR), CUDA, lookahead=8
+    )
     got, it = [], iter(data)
     while True:
         try:
@@ -85,21 +86,61 @@ def test_unsharded_cuda_cache_matches_all_resident_training(dedup: bool, optimiz
 def test_dlrm_example_on_one_gpu_matches_plain_torchrec_through_a_checkpoint(tmp_path) -> None:
     """DMP at world size 1 over NCCL (table-wise, the store a UVM TBE), a checkpoint
     mid-run, resumed: the weights equal plain TorchRec's (``fused``) bitwise."""
-    common = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-              "--nproc_per_node=1", str(ROOT / "examples" / "dlrm" / "dlrm_main.py"),
-              "--scale", "0.001", "--synthetic_samples_per_day", "8192", "--batch_size", "256",
-              "--limit_val_batches", "2", "--limit_test_batches", "2",
-              "--data_cache", str(tmp_path / "data"), "--deterministic"]  # fmt: skip
-    first = subprocess.run(common + ["--out", str(tmp_path / "a"), "--limit_train_batches", "12",
-                                     "--save_dir", str(tmp_path / "ckpt")],
-                           capture_output=True, text=True)  # fmt: skip
+    common = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        str(ROOT / "examples" / "dlrm" / "dlrm_main.py"),
+        "--scale",
+        "0.001",
+        "--synthetic_samples_per_day",
+        "8192",
+        "--batch_size",
+        "256",
+        "--limit_val_batches",
+        "2",
+        "--limit_test_batches",
+        "2",
+        "--data_cache",
+        str(tmp_path / "data"),
+        "--deterministic",
+    ]
+    first = subprocess.run(
+        common
+        + [
+            "--out",
+            str(tmp_path / "a"),
+            "--limit_train_batches",
+            "12",
+            "--save_dir",
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = subprocess.run(common + ["--out", str(tmp_path / "b"), "--limit_train_batches",
-                                       "24", "--save_dir", str(tmp_path / "ckpt"), "--resume"],
-                             capture_output=True, text=True)  # fmt: skip
+    resumed = subprocess.run(
+        common
+        + [
+            "--out",
+            str(tmp_path / "b"),
+            "--limit_train_batches",
+            "24",
+            "--save_dir",
+            str(tmp_path / "ckpt"),
+            "--resume",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    whole = subprocess.run(common + ["--out", str(tmp_path / "c"), "--limit_train_batches", "24",
-                                     "--baseline"], capture_output=True, text=True)  # fmt: skip
+    whole = subprocess.run(
+        common + ["--out", str(tmp_path / "c"), "--limit_train_batches", "24", "--baseline"],
+        capture_output=True,
+        text=True,
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     summary = json.loads((tmp_path / "c" / "summary.json").read_text())
     assert summary["weights_match"] is True

@@ -30,10 +30,16 @@ META = torch.device("meta")
 
 
 def tables(dims=(8, 8), pooling=PoolingType.SUM, features=None):  # noqa: ANN001, ANN201
-    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=100,
-                               feature_names=(features or [[f"f{i}"] for _ in dims])[i],
-                               pooling=pooling)
-            for i, d in enumerate(dims)]  # fmt: skip
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=d,
+            num_embeddings=100,
+            feature_names=(features or [[f"f{i}"] for _ in dims])[i],
+            pooling=pooling,
+        )
+        for i, d in enumerate(dims)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -60,9 +66,11 @@ def test_a_plan_splitting_a_hot_tables_columns_is_refused_before_sharding() -> N
     sharder = LookaheadEmbeddingBagCollectionSharder()
     plan = EmbeddingShardingPlanner(
         topology=Topology(world_size=2, compute_device="cpu"),
-        constraints={t.name: ParameterConstraints(sharding_types=["column_wise"], min_partition=4)
-                     for t in tables()},
-    ).plan(module, [sharder])  # fmt: skip
+        constraints={
+            t.name: ParameterConstraints(sharding_types=["column_wise"], min_partition=4)
+            for t in tables()
+        },
+    ).plan(module, [sharder])
     with pytest.raises(ValueError, match=r"table t1: hot rows are replicated whole"):
         sharder.shard(module, plan.plan[""], ShardingEnv(world_size=2, rank=0, pg=None))
 
@@ -92,8 +100,9 @@ def _count(rank: int, port: int) -> None:
         with CollectiveBytes() as sent:
             ids = torch.arange(8, dtype=torch.int64)
             received = torch.empty(11 if rank else 5, dtype=torch.int64)
-            dist.all_to_all_single(received, ids, [5, 6] if rank else [3, 2],
-                                   [2, 6] if rank else [3, 5])  # fmt: skip
+            dist.all_to_all_single(
+                received, ids, [5, 6] if rank else [3, 2], [2, 6] if rank else [3, 5]
+            )
             rows = torch.ones(4, 16)
             dist.all_to_all_single(torch.empty(4, 16), rows)
             with label("hot_sync"):
@@ -126,9 +135,14 @@ def _layout(hot, keys, key_tables, rows=10):  # noqa: ANN001, ANN202
     names = sorted(set(key_tables))
     features = {t: [k for k, kt in zip(keys, key_tables) if kt == t] for t in names}
     return HotLayout(
-        hot, keys, key_tables, features,
-        dict.fromkeys(names, rows), {t: {"optimizer": EmbOptimType.EXACT_SGD} for t in hot},
-        {name: [RowRange(0, 0, rows)] for name in hot}, 4,
+        hot,
+        keys,
+        key_tables,
+        features,
+        dict.fromkeys(names, rows),
+        {t: {"optimizer": EmbOptimType.EXACT_SGD} for t in hot},
+        {name: [RowRange(0, 0, rows)] for name in hot},
+        4,
     )
 
 
@@ -141,14 +155,18 @@ def test_a_batch_splits_into_its_cold_bags_and_hot_ids_by_either_search() -> Non
     hot = {"t0": np.array([1, 5, 7]), "t1": np.array([0, 2])}
     keys, batch = ["f0", "f1", "f2"], 4  # f2: a table without hot rows
     lengths = np.array([[1, 2, 0, 1], [1, 1, 1, 2], [1, 0, 1, 1]])
-    values = np.array([5, 3, 7, 1,  2, 2, 9, 0, 4,  5, 6, 7])  # fmt: skip
-    features = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values),
-                                 lengths=torch.from_numpy(lengths.reshape(-1)),
-                                 stride=batch)  # fmt: skip
+    values = np.array([5, 3, 7, 1, 2, 2, 9, 0, 4, 5, 6, 7])
+    features = KeyedJaggedTensor(
+        keys=keys,
+        values=torch.from_numpy(values),
+        lengths=torch.from_numpy(lengths.reshape(-1)),
+        stride=batch,
+    )
     layout = _layout(hot, keys, ["t0", "t1", "t2"])
     cpu = torch.device("cpu")
-    splits = [split_batch(layout, features, True, cpu, row_of) for row_of in
-              (direct_map(layout), None)]  # the map of small tables, the search of large ones
+    splits = [
+        split_batch(layout, features, True, cpu, row_of) for row_of in (direct_map(layout), None)
+    ]  # the map of small tables, the search of large ones
     for cold, step in splits:
         # Hot ids, feature-major, as replica rows: t0's 5, 7, 1 (rows 1, 2, 0); t1's 2, 2, 0
         # (rows 4, 4, 3); one group, so one lookup of every bag.
@@ -176,8 +194,12 @@ def test_a_shared_tables_hot_ids_are_summed_feature_by_feature() -> None:
 
     layout = _layout({"t0": np.array([1, 2])}, ["a", "b"], ["t0", "t0"])
     assert layout.num_rounds == 2 and layout.groups[0].shared
-    features = KeyedJaggedTensor(keys=["b", "a"], values=torch.tensor([2, 1, 1, 2]),
-                                 lengths=torch.tensor([1, 1, 1, 1]), stride=2)  # fmt: skip
+    features = KeyedJaggedTensor(
+        keys=["b", "a"],
+        values=torch.tensor([2, 1, 1, 2]),
+        lengths=torch.tensor([1, 1, 1, 1]),
+        stride=2,
+    )
     _, step = split_batch(layout, features, False, torch.device("cpu"))
     # Key order a, b: a's ids 1, 2 (bags 0, 1) in round 0, then b's 2, 1 (bags 2, 3).
     assert step.rows.tolist() == [0, 1, 1, 0] and step.bags.tolist() == [0, 1, 2, 3]
@@ -194,9 +216,17 @@ def test_the_union_reads_a_bit_or_a_byte_per_row() -> None:
     touched[[2, 3, 9]] = True
     rows = torch.tensor([9, 2, 9])
     for packed, bits in ((True, np.packbits(touched)), (False, touched.view(np.uint8))):
-        step = HotSplit(batch=1, lookups=[], rows=rows, bags=torch.zeros(3, dtype=torch.int64),
-                        round_ends=(3,), touched=torch.from_numpy(bits), packed=packed,
-                        ids=3, host_rows=rows.numpy())  # fmt: skip
+        step = HotSplit(
+            batch=1,
+            lookups=[],
+            rows=rows,
+            bags=torch.zeros(3, dtype=torch.int64),
+            round_ends=(3,),
+            touched=torch.from_numpy(bits),
+            packed=packed,
+            ids=3,
+            host_rows=rows.numpy(),
+        )
         union = union_of(step, None, 11)
         assert union.rows.tolist() == [2, 3, 9] and union.positions.tolist() == [2, 0, 2]
 
@@ -217,8 +247,10 @@ def test_hot_rows_train_bitwise_like_plain_torchrec() -> None:
     100 steps of the DLRM example, where a nearly cancelling sum rounded otherwise)."""
     from tests.hot_cases import HotCase
 
-    _spawn_hot([HotCase(optimizer=o) for o in ("sgd", "adagrad", "rowwise_adagrad")]
-               + [HotCase(sharding_type="row_wise")])  # fmt: skip
+    _spawn_hot(
+        [HotCase(optimizer=o) for o in ("sgd", "adagrad", "rowwise_adagrad")]
+        + [HotCase(sharding_type="row_wise")]
+    )
 
 
 def test_hot_rows_follow_a_learning_rate_schedule_and_per_table_optimizers() -> None:
@@ -238,8 +270,13 @@ def test_hot_rows_survive_a_new_pipeline_and_a_checkpoint_loaded_mid_run() -> No
     different hot rows are refused on every rank when the pipeline attaches."""
     from tests.hot_cases import HotCase
 
-    _spawn_hot([HotCase(reattach_at=7, steps=20), HotCase(reload_at=(4, 12), steps=24),
-                HotCase(mismatched_hot_rows=True, steps=2)])  # fmt: skip
+    _spawn_hot(
+        [
+            HotCase(reattach_at=7, steps=20),
+            HotCase(reload_at=(4, 12), steps=24),
+            HotCase(mismatched_hot_rows=True, steps=2),
+        ]
+    )
 
 
 def _refuse_2d(rank: int, port: int) -> None:
@@ -253,8 +290,9 @@ def _refuse_2d(rank: int, port: int) -> None:
         module = LookaheadEmbeddingBagCollection(tables(), device=META, hot_rows={"t1": [5, 6]})
         sgd = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
         sharder = LookaheadEmbeddingBagCollectionSharder(fused_params=sgd)
-        plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")
-                                        ).plan(module, [sharder])  # fmt: skip
+        plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).plan(
+            module, [sharder]
+        )
         world = dist.GroupMember.WORLD
         env = ShardingEnv2D(world, world, world, init_device_mesh("cpu", (1, 1)))
         with pytest.raises(ValueError, match="not replicated under 2D parallelism"):
@@ -286,35 +324,51 @@ def test_the_replicas_apply_what_fbgemm_applies_to_the_owners_bags(optimizer, fe
     from torchrec_lookahead.embedding.hot.sync import Union, ordered_sum
     from torchrec_lookahead.tbe import training_tbe
 
-    kind = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
-            "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optimizer]  # fmt: skip
+    kind = {
+        "sgd": EmbOptimType.EXACT_SGD,
+        "adagrad": EmbOptimType.EXACT_ADAGRAD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    }[optimizer]
     rows, dim, batch = 20, 8, 150
     params = {"learning_rate": 0.1, "eps": 1e-8}
     keys = [f"f{k}" for k in range(features)]
     owner = {"t": {"optimizer": kind, **params}}
-    layout = HotLayout({"t": np.arange(rows)}, keys, ["t"] * features, {"t": keys}, {"t": rows},
-                       owner, {"t": [RowRange(0, 0, rows)]}, dim)  # fmt: skip
+    layout = HotLayout(
+        {"t": np.arange(rows)},
+        keys,
+        ["t"] * features,
+        {"t": keys},
+        {"t": rows},
+        owner,
+        {"t": [RowRange(0, 0, rows)]},
+        dim,
+    )
     rng = np.random.default_rng(features)
     for trial in range(20):
-        owner = training_tbe([rows], dim, kind, params, torch.device("cpu"),
-                             features_per_table=features)  # fmt: skip
+        owner = training_tbe(
+            [rows], dim, kind, params, torch.device("cpu"), features_per_table=features
+        )
         replicas = ReplicaTables(layout, torch.device("cpu"))
         start = torch.randn(rows, dim)
         owner.split_embedding_weights()[0].data.copy_(start)
         replicas.tensors(0)[0].copy_(start)
         ids = rng.integers(0, rows, features * batch)  # a bag each, feature-major
         scale = 10.0 ** rng.uniform(-6, 0, (features * batch, 1))
-        grads = torch.from_numpy((rng.standard_normal((features * batch, dim)) * scale)
-                                 .astype(np.float32))  # fmt: skip
+        grads = torch.from_numpy(
+            (rng.standard_normal((features * batch, dim)) * scale).astype(np.float32)
+        )
         owner(torch.from_numpy(ids), torch.arange(features * batch + 1)).backward(
             grads.view(features, batch, dim).transpose(0, 1).reshape(batch, features * dim)
         )
         union = np.unique(ids)
         positions = torch.from_numpy(np.searchsorted(union, ids))
-        rounds = [(positions[k * batch : (k + 1) * batch], grads[k * batch : (k + 1) * batch])
-                  for k in range(features)]  # fmt: skip
-        sums, rates = ordered_sum(rounds, len(union), dim, np.array([0.1]), None,
-                                  torch.device("cpu"))  # fmt: skip
+        rounds = [
+            (positions[k * batch : (k + 1) * batch], grads[k * batch : (k + 1) * batch])
+            for k in range(features)
+        ]
+        sums, rates = ordered_sum(
+            rounds, len(union), dim, np.array([0.1]), None, torch.device("cpu")
+        )
         replicas.apply(Union(union, torch.from_numpy(union), positions), sums, rates)
         mine, theirs = replicas.tensors(0), [owner.split_embedding_weights()[0]]
         theirs += list(owner.split_optimizer_states()[0]) if optimizer != "sgd" else []

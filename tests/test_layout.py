@@ -15,8 +15,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "torchrec_lookahead"
-SOURCES = [p for folder in ("torchrec_lookahead", "planners", "examples", "benchmarks", "tests")
-           for p in (ROOT / folder).rglob("*.py")]  # fmt: skip
+SOURCES = [
+    p
+    for folder in ("torchrec_lookahead", "planners", "examples", "benchmarks", "tests")
+    for p in (ROOT / folder).rglob("*.py")
+]
 PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields"}  # namedtuple's public API
 THEIRS = ("torch", "torchrec", "fbgemm_gpu")
 
@@ -60,8 +63,11 @@ def test_private_names_of_torch_torchrec_and_fbgemm_live_in_the_compat_module() 
                 if name.startswith("_") and not name.startswith("__") and name not in ours:
                     found.append(f"{where}: .{name}")
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [
-                    node.module or ""]  # fmt: skip
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
                 for module in names:
                     parts = module.split(".")
                     if parts[0] in THEIRS and any(p.startswith("_") for p in parts):
@@ -137,8 +143,12 @@ def test_planners_and_examples_sit_on_the_library_and_the_library_on_neither() -
                 continue
             for name in names:
                 top = name.split(".")[0]
-                if folder == "torchrec_lookahead" and top in ("planners", "examples", "tests",
-                                                              "benchmarks"):  # fmt: skip
+                if folder == "torchrec_lookahead" and top in (
+                    "planners",
+                    "examples",
+                    "tests",
+                    "benchmarks",
+                ):
                     wrong.append(f"{path.relative_to(ROOT)} imports {name}")
                 if folder in ("planners", "examples") and name.startswith(
                     "torchrec_lookahead.testing"

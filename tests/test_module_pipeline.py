@@ -123,20 +123,26 @@ def test_bad_settings_are_refused() -> None:
         LookaheadEmbeddingBagCollection(UNWEIGHTED, cache_rows={"nope": 3})
     model = lookahead_model("sgd")
     with pytest.raises(ValueError, match="lookahead must be at least 1"):
-        LookaheadTrainPipeline(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                               torch.device("cpu"), lookahead=0)  # fmt: skip
+        LookaheadTrainPipeline(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), lookahead=0
+        )
     bare = LookaheadEmbeddingBagCollection(UNWEIGHTED)
     with pytest.raises(ValueError, match="no fused optimizer"):
-        LookaheadTrainPipeline(bare, torch.optim.SGD([torch.zeros(1)], lr=0.1),
-                               torch.device("cpu"))  # fmt: skip
+        LookaheadTrainPipeline(bare, torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"))
 
 
 def test_metrics_count_lookups_hits_and_moves() -> None:
     model = lookahead_model("rowwise_adagrad", cache_load_factor=0.1)
     _, pipeline = train_lookahead(model, DATA, 8, 1)
     metrics = pipeline.cache_metrics()
-    assert set(metrics) == {"unweighted.t0", "unweighted.t1", "unweighted.t2", "weighted.w0",
-                            "weighted.w1", "total"}  # fmt: skip
+    assert set(metrics) == {
+        "unweighted.t0",
+        "unweighted.t1",
+        "unweighted.t2",
+        "weighted.w0",
+        "weighted.w1",
+        "total",
+    }
     total = metrics["total"]
     assert total.lookups == sum(int(b.sparse_features.values().numel()) for b in DATA)
     assert total.hits + total.misses == total.unique_ids

@@ -23,12 +23,32 @@ def test_two_hosts_on_a_shaped_link_train_exactly_like_plain_torchrec(tmp_path: 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "out"
-    flags = [*TINY, "--limit_train_batches", "20", "--baseline", "--hot_rows", "--adagrad",
-             "--data_cache", str(tmp_path / "data"), "--out", str(out)]  # fmt: skip
+    flags = [
+        *TINY,
+        "--limit_train_batches",
+        "20",
+        "--baseline",
+        "--hot_rows",
+        "--adagrad",
+        "--data_cache",
+        str(tmp_path / "data"),
+        "--out",
+        str(out),
+    ]
     with EmulatedCluster(2, rate_gbps=1.0) as cluster:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                  "--nproc_per_node", "1", "--master_addr", cluster.address(0),
-                  "--master_port", str(port)]  # fmt: skip
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            cluster.address(0),
+            "--master_port",
+            str(port),
+        ]
         hosts = [
             cluster.run(
                 i,
@@ -36,7 +56,7 @@ def test_two_hosts_on_a_shaped_link_train_exactly_like_plain_torchrec(tmp_path: 
                 env={"GLOO_SOCKET_IFNAME": cluster.interface(i)},
                 stdout=open(tmp_path / f"host{i}.log", "w"),
                 stderr=-2,
-            )  # fmt: skip
+            )
             for i in range(2)
         ]
         codes = [host.wait(timeout=600) for host in hosts]

@@ -313,6 +313,7 @@ def test_load_kernels_loads_every_planning_kernel_before_the_first_batch() -> No
         "load_kernels()\n"
         "print([len(p.signatures) for p in passes])\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True).stdout.split("\n")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     assert out[:2] == ["[0, 0, 0]", "[1, 1, 1]"]

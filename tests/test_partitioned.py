@@ -92,8 +92,9 @@ def test_bad_batch_is_refused_before_any_partition_changes(bad, message) -> None
     good = [rng.integers(0, 12, size=5) for _ in range(8)]
 
     def oracle() -> PartitionedOracle:
-        return PartitionedOracle(capacity=9, lookahead=2, prefetch_distance=0, num_rows=12,
-                                 partitions=3)  # fmt: skip
+        return PartitionedOracle(
+            capacity=9, lookahead=2, prefetch_distance=0, num_rows=12, partitions=3
+        )
 
     partitioned = oracle()
     plans = [p for p in [partitioned.push(good[0])] if p is not None]

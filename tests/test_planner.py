@@ -70,9 +70,12 @@ def test_curve_is_monotone_with_the_documented_ends() -> None:
 
 @pytest.mark.parametrize(
     "batches_, message",
-    [([], "at least 2 sample batches"), ([np.array([], np.int64)] * 3, "hold no ids"),
-     ([np.array([1, 2]), np.array([5000])], "t9, sample batch 1: id 5000 is out of range")],
-)  # fmt: skip
+    [
+        ([], "at least 2 sample batches"),
+        ([np.array([], np.int64)] * 3, "hold no ids"),
+        ([np.array([1, 2]), np.array([5000])], "t9, sample batch 1: id 5000 is out of range"),
+    ],
+)
 def test_bad_samples_are_refused(batches_, message) -> None:
     with pytest.raises(ValueError, match=message):
         LookaheadCacheStatistics(batches_, 100, 4, 1, "t9")
@@ -129,12 +132,21 @@ def test_plans_for_cpu_and_cuda_topologies_carry_the_proposed_cache_sizes(device
         for t, s in zip(tables, data.table_streams(256, 40))
     }
     planner, proposal = lookahead_planner(
-        Topology(world_size=2, compute_device=device), 256, tables, stats,
-        EmbOptimType.EXACT_ROWWISE_ADAGRAD, step_compute_ms=0.001, cache_budget_bytes=400_000,
-    )  # fmt: skip
+        Topology(world_size=2, compute_device=device),
+        256,
+        tables,
+        stats,
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        step_compute_ms=0.001,
+        cache_budget_bytes=400_000,
+    )
     ebc = LookaheadEmbeddingBagCollection(tables, device=torch.device("meta"))
-    dlrm = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
-                dense_arch_layer_sizes=[32, 16], over_arch_layer_sizes=[32, 1])  # fmt: skip
+    dlrm = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=[32, 16],
+        over_arch_layer_sizes=[32, 1],
+    )
     model = DLRMTrain(dlrm)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
     plan = planner.plan(model, [LookaheadEmbeddingBagCollectionSharder()])
@@ -153,8 +165,9 @@ def test_missing_statistics_are_named() -> None:
         EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=10, feature_names=["f"])
     ]
     with pytest.raises(ValueError, match=r"no cache statistics for tables \['t0'\]"):
-        lookahead_planner(Topology(world_size=1, compute_device="cpu"), 8, tables, {},
-                          EmbOptimType.EXACT_SGD, 1.0)  # fmt: skip
+        lookahead_planner(
+            Topology(world_size=1, compute_device="cpu"), 8, tables, {}, EmbOptimType.EXACT_SGD, 1.0
+        )
 
 
 def test_a_gpu_store_keeps_row_wise_state_in_device_memory() -> None:
@@ -163,12 +176,17 @@ def test_a_gpu_store_keeps_row_wise_state_in_device_memory() -> None:
     from planners.cost import TableCacheCost, optimizer_state_floats
 
     stats = LookaheadCacheStatistics([np.arange(64)] * 4, 1000, 2, 1, "t")
-    rowwise = TableCacheCost("t", 1000, 16, optimizer_state_floats(
-        EmbOptimType.EXACT_ROWWISE_ADAGRAD, 16), stats, rowwise_state=True)  # fmt: skip
+    rowwise = TableCacheCost(
+        "t",
+        1000,
+        16,
+        optimizer_state_floats(EmbOptimType.EXACT_ROWWISE_ADAGRAD, 16),
+        stats,
+        rowwise_state=True,
+    )
     assert rowwise.store_device_bytes() == 1000 * 4
     assert rowwise.store_device_bytes() < rowwise.host_bytes()
-    plain = TableCacheCost("t", 1000, 16, optimizer_state_floats(EmbOptimType.EXACT_SGD, 16),
-                           stats)  # fmt: skip
+    plain = TableCacheCost("t", 1000, 16, optimizer_state_floats(EmbOptimType.EXACT_SGD, 16), stats)
     assert plain.store_device_bytes() == 0
 
 

@@ -25,8 +25,9 @@ THREADS = ("lookahead-stage", "lookahead-executor")
 
 def pipeline_for(model, lookahead: int = 4, threaded: bool = True) -> LookaheadTrainPipeline:
     dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
-    return LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=lookahead,
-                                  stage_thread=threaded)  # fmt: skip
+    return LookaheadTrainPipeline(
+        model, dense, torch.device("cpu"), lookahead=lookahead, stage_thread=threaded
+    )
 
 
 @pytest.fixture
@@ -142,8 +143,9 @@ def test_the_stage_thread_yields_the_cores_to_the_trainer(live_threads, monkeypa
     monkeypatch.setattr(CacheTable, "apply", spy_apply)
 
     def spy(features, refusal=None):
-        seen.add((threading.current_thread().name, os.sched_getscheduler(0),
-                  torch.get_num_threads()))  # fmt: skip
+        seen.add(
+            (threading.current_thread().name, os.sched_getscheduler(0), torch.get_num_threads())
+        )
         return prepare(features, refusal)
 
     model.unweighted.prepare = spy

@@ -125,8 +125,10 @@ def split_pooled_tables(
     map), so the buffers it derives from the map are rewritten.
     """
     if getattr(tbe, "enable_raw_embedding_streaming", False):
-        raise ValueError("raw embedding streaming (FBGEMM) is not supported with lookahead "
-                         "caching: it keeps state built from the table map this rewrites")
+        raise ValueError(
+            "raw embedding streaming (FBGEMM) is not supported with lookahead "
+            "caching: it keeps state built from the table map this rewrites"
+        )
     entries, total, last = [], 0, None
     for table, pool in zip(feature_tables, feature_pools):
         if last is not None and table != last[0]:
@@ -244,9 +246,14 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
         super().__init__(*args, **kwargs)
 
     def make_lookup(
-        self, index: int, configs: list[GroupedEmbeddingConfig], pg: dist.ProcessGroup | None,
-        device: torch.device | None, sharding_type: ShardingType | None, env: ShardingEnv,
-    ) -> torch.nn.Module:  # fmt: skip
+        self,
+        index: int,
+        configs: list[GroupedEmbeddingConfig],
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        sharding_type: ShardingType | None,
+        env: ShardingEnv,
+    ) -> torch.nn.Module:
         raise NotImplementedError
 
     @property
@@ -285,9 +292,11 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
                 configs = sharding._grouped_embedding_configs
                 is_rw = isinstance(sharding, RwPooledEmbeddingSharding)
                 sharding_type = ShardingType.ROW_WISE if is_rw else None
-            self._lookups.append(self.make_lookup(index, configs, sharding._pg,
-                                                  sharding._device, sharding_type,
-                                                  sharding._env))  # fmt: skip
+            self._lookups.append(
+                self.make_lookup(
+                    index, configs, sharding._pg, sharding._device, sharding_type, sharding._env
+                )
+            )
 
     @property
     def _input_dists(self) -> list[torch.nn.Module]:
@@ -347,9 +356,11 @@ class GatheredOutput(VariableBatchEmbeddingBagCollectionAwaitable):
         expanded = self.gather(pooled, inverse, self._batch_size_per_feature_pre_a2a, dims[0])
         for awaitable in self._resize_awaitables or []:
             awaitable.wait()
-        return construct_output_kt(embeddings=[self._permute_op(expanded)],
-                                   embedding_names=self._embedding_names,
-                                   embedding_dims=self._embedding_dims)  # fmt: skip
+        return construct_output_kt(
+            embeddings=[self._permute_op(expanded)],
+            embedding_names=self._embedding_names,
+            embedding_dims=self._embedding_dims,
+        )
 
 
 # ------------------------------------------------------------ torch.distributed
@@ -364,8 +375,11 @@ def data_parallel_parts(model: torch.nn.Module) -> list[tuple[Any, str]]:
 
     found: list[tuple[Any, str]] = []
     for module in model.modules():
-        found += [(m, "data_parallel") for m in getattr(module, "_lookups", [])
-                  if isinstance(m, DistributedDataParallel)]  # fmt: skip
+        found += [
+            (m, "data_parallel")
+            for m in getattr(module, "_lookups", [])
+            if isinstance(m, DistributedDataParallel)
+        ]
         if isinstance(module, DistributedDataParallel):
             found.append((module, "dense"))
     return found

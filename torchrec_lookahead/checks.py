@@ -45,20 +45,23 @@ def check_batch(batch: Any, weighted: dict[str, bool], where: str) -> None:
     """
     features = getattr(batch, "sparse_features", None)
     if not isinstance(features, KeyedJaggedTensor):
-        raise BatchTypeError(f"{where}: sparse_features must be a KeyedJaggedTensor, "
-                             f"got {type(features).__name__}")  # fmt: skip
+        raise BatchTypeError(
+            f"{where}: sparse_features must be a KeyedJaggedTensor, got {type(features).__name__}"
+        )
     keys = features.keys()
     unknown = [k for k in keys if k not in weighted]
     if unknown:
-        raise ValueError(f"{where}: the batch has features {unknown} that no embedding module "
-                         "knows")  # fmt: skip
+        raise ValueError(
+            f"{where}: the batch has features {unknown} that no embedding module knows"
+        )
     check_structure(features, where, [k for k in keys if weighted[k]])
     samples = _samples(features)
     for name in ("dense_features", "labels"):
         tensor = getattr(batch, name, None)
         if isinstance(tensor, torch.Tensor) and tensor.dim() and len(tensor) != samples:
-            raise ValueError(f"{where}: {name} has {len(tensor)} samples but the sparse "
-                             f"features have {samples}")  # fmt: skip
+            raise ValueError(
+                f"{where}: {name} has {len(tensor)} samples but the sparse features have {samples}"
+            )
 
 
 def check_structure(
@@ -90,8 +93,11 @@ def check_structure(
     given = lengths.numel() if lengths is not None else offsets.numel() - 1
     if given != bags:
         what = "lengths" if lengths is not None else "offsets (less one)"
-        shape = (f"strides {strides}" if features.variable_stride_per_key()
-                 else f"{len(keys)} features of {features.stride()} samples")  # fmt: skip
+        shape = (
+            f"strides {strides}"
+            if features.variable_stride_per_key()
+            else f"{len(keys)} features of {features.stride()} samples"
+        )
         raise ValueError(f"{where}: {given} {what} where {shape} make {bags} bags")
     if offsets is not None:
         _check_offsets(offsets, lengths, values.numel(), where)
@@ -99,17 +105,21 @@ def check_structure(
         lengths = offsets.diff()
     if bags and bool((lengths < 0).any()):
         bag = int(torch.nonzero(lengths < 0)[0])
-        raise ValueError(f"{where}: feature {_key_of(bag, strides, keys)!r} has a bag of "
-                         f"negative length {int(lengths[bag])}")  # fmt: skip
+        raise ValueError(
+            f"{where}: feature {_key_of(bag, strides, keys)!r} has a bag of "
+            f"negative length {int(lengths[bag])}"
+        )
     total = int(lengths.sum())
     if total != values.numel():
-        raise ValueError(f"{where}: the lengths add up to {total} ids but the batch has "
-                         f"{values.numel()} values")  # fmt: skip
+        raise ValueError(
+            f"{where}: the lengths add up to {total} ids but the batch has {values.numel()} values"
+        )
     per_key = _per_key(lengths, strides)
     cached = features.length_per_key_or_none()
     if cached is not None and list(cached) != per_key:
-        raise ValueError(f"{where}: length_per_key {list(cached)} does not match the "
-                         f"lengths ({per_key})")  # fmt: skip
+        raise ValueError(
+            f"{where}: length_per_key {list(cached)} does not match the lengths ({per_key})"
+        )
     cached = features.offset_per_key_or_none()
     if cached is not None and list(cached) != [0, *np.cumsum(per_key).tolist()]:
         raise ValueError(f"{where}: offset_per_key {list(cached)} does not match the lengths")
@@ -157,40 +167,48 @@ def check_variable_batch(features: KeyedJaggedTensor, where: str) -> None:
     keys = features.keys()
     per_rank = features.stride_per_key_per_rank()
     if len(per_rank) != len(keys) or any(len(r) != 1 for r in per_rank):
-        raise ValueError(f"{where}: a deduplicated batch needs one stride per key, got "
-                         f"{per_rank} for keys {keys}")  # fmt: skip
+        raise ValueError(
+            f"{where}: a deduplicated batch needs one stride per key, got "
+            f"{per_rank} for keys {keys}"
+        )
     strides = [r[0] for r in per_rank]
     bags = features.lengths().numel()
     if sum(strides) != bags:
-        raise ValueError(f"{where}: the strides {strides} add up to {sum(strides)} bags but the "
-                         f"batch has {bags} lengths")  # fmt: skip
+        raise ValueError(
+            f"{where}: the strides {strides} add up to {sum(strides)} bags but the "
+            f"batch has {bags} lengths"
+        )
     inverse = features.inverse_indices_or_none()
     if inverse is None:
-        raise ValueError(f"{where}: a deduplicated batch (strides {strides}) needs "
-                         "inverse_indices, the bag of each sample")  # fmt: skip
+        raise ValueError(
+            f"{where}: a deduplicated batch (strides {strides}) needs "
+            "inverse_indices, the bag of each sample"
+        )
     names, indices = inverse
     missing = [k for k in keys if k not in names]
     if missing:
         raise ValueError(f"{where}: inverse_indices has no row for features {missing}")
     if indices.dim() != 2 or indices.shape[0] != len(names) or indices.is_floating_point():
-        raise ValueError(f"{where}: inverse_indices must be an integer tensor [keys, batch] "
-                         f"= [{len(names)}, batch], got {tuple(indices.shape)} "
-                         f"{indices.dtype}")  # fmt: skip
+        raise ValueError(
+            f"{where}: inverse_indices must be an integer tensor [keys, batch] "
+            f"= [{len(names)}, batch], got {tuple(indices.shape)} "
+            f"{indices.dtype}"
+        )
     rows = indices.cpu().numpy()
     for key, stride in zip(keys, strides):
         row = rows[names.index(key)]
         bad = (row < 0) | (row >= stride)
         if bad.any():
-            raise ValueError(f"{where}: feature {key!r}: inverse index {int(row[bad][0])} is "
-                             f"out of range for its {stride} bags")  # fmt: skip
+            raise ValueError(
+                f"{where}: feature {key!r}: inverse index {int(row[bad][0])} is "
+                f"out of range for its {stride} bags"
+            )
 
 
 # ------------------------------------------------------------------ internals
 
 
-def _check_tensor(
-    tensor: Any, name: str, dtypes: tuple[torch.dtype, ...], where: str
-) -> None:
+def _check_tensor(tensor: Any, name: str, dtypes: tuple[torch.dtype, ...], where: str) -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.dtype not in dtypes:
         got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         wanted = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -207,11 +225,14 @@ def _check_offsets(
     steps = offsets.diff()
     if bool((steps < 0).any()):
         bag = int(torch.nonzero(steps < 0)[0])
-        raise ValueError(f"{where}: offsets decrease at bag {bag} ({int(offsets[bag])} to "
-                         f"{int(offsets[bag + 1])})")  # fmt: skip
+        raise ValueError(
+            f"{where}: offsets decrease at bag {bag} ({int(offsets[bag])} to "
+            f"{int(offsets[bag + 1])})"
+        )
     if int(offsets[-1]) != num_values:
-        raise ValueError(f"{where}: offsets end at {int(offsets[-1])} but the batch has "
-                         f"{num_values} values")  # fmt: skip
+        raise ValueError(
+            f"{where}: offsets end at {int(offsets[-1])} but the batch has {num_values} values"
+        )
     if lengths is not None and not torch.equal(steps, lengths.to(steps.dtype)):
         raise ValueError(f"{where}: lengths and offsets disagree")
 
@@ -221,15 +242,18 @@ def _check_weights(features: KeyedJaggedTensor, where: str, weighted_keys: Colle
     if weights is None:
         needed = [k for k in features.keys() if k in weighted_keys]
         if needed:
-            raise ValueError(f"{where}: features {needed} are looked up by a weighted "
-                             "module but the batch has no weights")  # fmt: skip
+            raise ValueError(
+                f"{where}: features {needed} are looked up by a weighted "
+                "module but the batch has no weights"
+            )
         return
     if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
         got = weights.dtype if isinstance(weights, torch.Tensor) else type(weights).__name__
         raise BatchTypeError(f"{where}: weights must be floating point, got {got}")
     if weights.shape != features.values().shape:
-        raise ValueError(f"{where}: {tuple(weights.shape)} weights for "
-                         f"{features.values().numel()} values")  # fmt: skip
+        raise ValueError(
+            f"{where}: {tuple(weights.shape)} weights for {features.values().numel()} values"
+        )
 
 
 def _strides(features: KeyedJaggedTensor) -> list[int]:

@@ -50,9 +50,15 @@ _UNCOUNTED = "uncounted"  # a collective counted already (DDP's, by its hook)
 # torch's own collectives, which the counter's stand-ins call (kept: a thread may still
 # hold a stand-in after the counter closed).
 _TORCH: dict[str, Callable[..., Any]] = {
-    name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "broadcast",
-                                           "all_gather_into_tensor", "reduce_scatter_tensor")
-}  # fmt: skip
+    name: getattr(dist, name)
+    for name in (
+        "all_to_all_single",
+        "all_reduce",
+        "broadcast",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+    )
+}
 
 
 @contextlib.contextmanager
@@ -122,8 +128,15 @@ class CollectiveBytes:
         """The counter counting now, if any."""
         return cls._active
 
-    def _all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,  # noqa: ANN001
-                           group=None, **kwargs):  # fmt: skip
+    def _all_to_all_single(
+        self,
+        output,
+        input,
+        output_split_sizes=None,
+        input_split_sizes=None,  # noqa: ANN001
+        group=None,
+        **kwargs,
+    ):
         world, rank = _world(group), dist.get_rank(group)
         rows = input.shape[0] if input.dim() else 0
         per_row = _nbytes(input) // rows if rows else 0

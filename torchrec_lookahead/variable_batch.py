@@ -39,11 +39,16 @@ __all__ = [
 
 # The fused optimizers FBGEMM's TBE (1.8) trains variable batches with; it asserts on others
 # (EXACT_ADAGRAD among them), so TorchRec's fused kernel refuses them too.
-VARIABLE_BATCH_OPTIMIZERS = frozenset({
-    EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ROWWISE_ADAGRAD, EmbOptimType.ADAM,
-    EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD, EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
-    EmbOptimType.NONE,
-})  # fmt: skip
+VARIABLE_BATCH_OPTIMIZERS = frozenset(
+    {
+        EmbOptimType.EXACT_SGD,
+        EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        EmbOptimType.ADAM,
+        EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD,
+        EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
+        EmbOptimType.NONE,
+    }
+)
 
 
 def check_variable_batch_optimizer(
@@ -53,9 +58,11 @@ def check_variable_batch_optimizer(
     variable batches with ``optimizer``."""
     if features.variable_stride_per_key() and optimizer not in VARIABLE_BATCH_OPTIMIZERS:
         names = sorted(o.name for o in VARIABLE_BATCH_OPTIMIZERS)
-        raise ValueError(f"{where}: deduplicated batches train with the fused optimizers "
-                         f"{names} (FBGEMM's variable-batch TBE), "
-                         f"not {optimizer.name}")  # fmt: skip
+        raise ValueError(
+            f"{where}: deduplicated batches train with the fused optimizers "
+            f"{names} (FBGEMM's variable-batch TBE), "
+            f"not {optimizer.name}"
+        )
 
 
 def tbe_batch_sizes(features: KeyedJaggedTensor) -> dict[str, Any]:
@@ -75,10 +82,13 @@ def keep_inverse_indices(
     if inverse is None or permuted.inverse_indices_or_none() is not None:
         return permuted
     return KeyedJaggedTensor(
-        keys=permuted.keys(), values=permuted.values(), weights=permuted.weights_or_none(),
-        lengths=permuted.lengths(), stride_per_key_per_rank=permuted.stride_per_key_per_rank(),
+        keys=permuted.keys(),
+        values=permuted.values(),
+        weights=permuted.weights_or_none(),
+        lengths=permuted.lengths(),
+        stride_per_key_per_rank=permuted.stride_per_key_per_rank(),
         inverse_indices=inverse,
-    )  # fmt: skip
+    )
 
 
 def padded_lookup(

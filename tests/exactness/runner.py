@@ -147,9 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", type=int, default=int(os.environ.get("EXACTNESS_CONFIGS", 20)))
     p.add_argument("--seed", type=int, default=int(os.environ.get("EXACTNESS_SEED", 0)))
     p.add_argument("--only", default=os.environ.get("EXACTNESS_ONLY", ""))
-    p.add_argument("--hot-rows", action="store_true",
-                   default=os.environ.get("EXACTNESS_HOT_ROWS", "") not in ("", "0"),
-                   help="every configuration with replicated hot rows, at 2 or 4 ranks")
+    p.add_argument(
+        "--hot-rows",
+        action="store_true",
+        default=os.environ.get("EXACTNESS_HOT_ROWS", "") not in ("", "0"),
+        help="every configuration with replicated hot rows, at 2 or 4 ranks",
+    )
     args = p.parse_args(argv)
     indices = (
         [int(i) for i in args.only.split(",") if i.strip()]

@@ -125,14 +125,26 @@ class CacheTable:
         if batch_size_per_feature_per_rank is None:
             return self.tbe(slots, offsets, per_sample_weights=per_sample_weights)
         if self.device.type != "cpu":  # FBGEMM's variable-batch kernels
-            return self.tbe(slots, offsets, per_sample_weights=per_sample_weights,
-                            batch_size_per_feature_per_rank=batch_size_per_feature_per_rank,
-                            **vbe_output)  # fmt: skip
+            return self.tbe(
+                slots,
+                offsets,
+                per_sample_weights=per_sample_weights,
+                batch_size_per_feature_per_rank=batch_size_per_feature_per_rank,
+                **vbe_output,
+            )
         if vbe_output.get("vbe_output") is not None:
-            raise ValueError("a preallocated vbe_output is not supported on the CPU (nor by "
-                             "FBGEMM's CPU TBE): one kernel per lookup, please")  # fmt: skip
-        return padded_lookup(self.tbe, slots, offsets, per_sample_weights,
-                             batch_size_per_feature_per_rank, self._feature_dims)  # fmt: skip
+            raise ValueError(
+                "a preallocated vbe_output is not supported on the CPU (nor by "
+                "FBGEMM's CPU TBE): one kernel per lookup, please"
+            )
+        return padded_lookup(
+            self.tbe,
+            slots,
+            offsets,
+            per_sample_weights,
+            batch_size_per_feature_per_rank,
+            self._feature_dims,
+        )
 
     def apply(self, pool: int, plan: CachePlan) -> None:
         """Write back ``plan``'s evicted rows, then fetch its rows."""

@@ -45,6 +45,7 @@ __all__ = ["CachedTables"]
 
 logger = logging.getLogger(__name__)
 
+
 class CachedTables:
     """Tables whose rows are cached together in one :class:`CacheTable`.
 
@@ -79,8 +80,16 @@ class CachedTables:
         self.table_slots = list(table_slots)
         self._optimizer = optimizer
         self._shares = list(table_slots)  # before any raise to what the window needs
-        self.cache = CacheTable(self.pools, self._pool_slots(table_slots), feature_tables,
-                                optimizer, store, device, pooling, fbgemm_params)  # fmt: skip
+        self.cache = CacheTable(
+            self.pools,
+            self._pool_slots(table_slots),
+            feature_tables,
+            optimizer,
+            store,
+            device,
+            pooling,
+            fbgemm_params,
+        )
         tables = np.asarray(feature_tables, dtype=np.int64)
         pool_of_table = np.empty(len(names), dtype=np.int64)
         offset_of_table = np.empty(len(names), dtype=np.int64)
@@ -95,8 +104,9 @@ class CachedTables:
         self._offset_ids = bool(self._feature_offset.any())
         # Each pool's features in lookup order; a table's features are consecutive, so a
         # pool of one table (or of every table) reads one slice of the batch.
-        self._pool_features = [np.flatnonzero(pool_of_table[tables] == p)
-                               for p in range(len(self.pools))]  # fmt: skip
+        self._pool_features = [
+            np.flatnonzero(pool_of_table[tables] == p) for p in range(len(self.pools))
+        ]
         self._window = Window(1, 1)  # set by attach
         self._oracles: list[CachePlanner] | None = None  # built at the window's first batch
         self._entered = 0
@@ -174,8 +184,9 @@ class CachedTables:
                 extra = np.asarray([bound.get(name, 0) for name in self.names], dtype=np.int64)
                 most = np.maximum(lookups, extra)
             table_slots = self._sized_for(most)
-            oracles = [self._planner(slots, p)
-                       for p, slots in enumerate(self._pool_slots(table_slots))]  # fmt: skip
+            oracles = [
+                self._planner(slots, p) for p, slots in enumerate(self._pool_slots(table_slots))
+            ]
             sizing = (table_slots, oracles)
         batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
         return PreparedStep(step, lookups, batches, positions, sizing)
@@ -183,8 +194,9 @@ class CachedTables:
     def enter(self, prepared: PreparedStep) -> PlannedStep | None:
         """A prepared batch enters the window; returns the moves of a step now planned."""
         if prepared.step != self._entered:
-            raise ValueError(f"a batch prepared for step {prepared.step} cannot enter at "
-                             f"step {self._entered}")  # fmt: skip
+            raise ValueError(
+                f"a batch prepared for step {prepared.step} cannot enter at step {self._entered}"
+            )
         if prepared.sizing is not None:
             self._install(*prepared.sizing)
         distinct = np.concatenate(
@@ -260,17 +272,24 @@ class CachedTables:
         a fixed shape; batches with more ids may still need more).
         """
         d = self._window.prefetch_distance
-        return [max(share, min(rows, (d + 1) * int(count)))
-                for share, rows, count in zip(self._shares, self.num_rows, lookups)]  # fmt: skip
+        return [
+            max(share, min(rows, (d + 1) * int(count)))
+            for share, rows, count in zip(self._shares, self.num_rows, lookups)
+        ]
 
     def _install(self, table_slots: list[int], oracles: list[CachePlanner]) -> None:
         """A window's first batch enters: the pools take their sizes, the planners their place."""
         for t, (share, slots) in enumerate(zip(self._shares, table_slots)):
             if slots > share and self.names[t] not in self._logged:
                 self._logged.add(self.names[t])
-                logger.info("table %s: cache raised from %d to %d rows, what %d batches like "
-                            "the first can touch", self.names[t], share, slots,
-                            self._window.prefetch_distance + 1)  # fmt: skip
+                logger.info(
+                    "table %s: cache raised from %d to %d rows, what %d batches like "
+                    "the first can touch",
+                    self.names[t],
+                    share,
+                    slots,
+                    self._window.prefetch_distance + 1,
+                )
         self.table_slots = table_slots
         store = self.cache.store
         self._row_bytes = np.array([store.bytes_per_row(t) for t in range(len(self.names))])
@@ -284,9 +303,11 @@ class CachedTables:
         L + d steps before they are needed, so disk latency hides behind the
         window; a row evicted before its step comes is read again on demand.
         """
-        rows = [(table, ids)
-                for pool, oracle, batch in zip(self.pools, self._planners, prepared.batches)
-                for table, ids, _ in pool.by_table(oracle.absent(batch))]  # fmt: skip
+        rows = [
+            (table, ids)
+            for pool, oracle, batch in zip(self.pools, self._planners, prepared.batches)
+            for table, ids, _ in pool.by_table(oracle.absent(batch))
+        ]
         self.cache.store.read_ahead(rows)
 
     def _planner(self, slots: int, pool: int) -> CachePlanner:
@@ -295,11 +316,17 @@ class CachedTables:
         first_table = self.names[self.pools[pool].tables[0]]
         row_table = self.cache.store.row_table(f"oracle.{first_table}.{pool}")
         if w.planning_workers == 1 or slots < 2:
-            return OracleCacher(slots, w.lookahead, w.prefetch_distance, num_rows=num_rows,
-                                row_table=row_table)  # fmt: skip
-        return PartitionedOracle(slots, w.lookahead, w.prefetch_distance, num_rows=num_rows,
-                                 partitions=min(w.planning_workers, slots),
-                                 row_table=row_table)  # fmt: skip
+            return OracleCacher(
+                slots, w.lookahead, w.prefetch_distance, num_rows=num_rows, row_table=row_table
+            )
+        return PartitionedOracle(
+            slots,
+            w.lookahead,
+            w.prefetch_distance,
+            num_rows=num_rows,
+            partitions=min(w.planning_workers, slots),
+            row_table=row_table,
+        )
 
     def _planned(self, plans: list[CachePlan | None]) -> PlannedStep | None:
         ready = [plan for plan in plans if plan is not None]  # the pools plan in lockstep
@@ -315,17 +342,22 @@ class CachedTables:
                 slots[where] = plan.slots
         step_slots = streams.to_device(torch.from_numpy(slots), self.cache.device)
         order = self._table_order
-        fetched = np.concatenate([pool.table_counts(plan.fetch_ids)
-                                  for pool, plan in zip(self.pools, ready)])[order]  # fmt: skip
-        evicted = np.concatenate([pool.table_counts(plan.evict_ids)
-                                  for pool, plan in zip(self.pools, ready)])[order]  # fmt: skip
+        fetched = np.concatenate(
+            [pool.table_counts(plan.fetch_ids) for pool, plan in zip(self.pools, ready)]
+        )[order]
+        evicted = np.concatenate(
+            [pool.table_counts(plan.evict_ids) for pool, plan in zip(self.pools, ready)]
+        )[order]
         self.step_counts[step][1][:] = fetched
         self._counts["misses"] += fetched
         self._counts["rows_fetched"] += fetched
         self._counts["rows_written_back"] += evicted
         self._counts["bytes_moved"] += (fetched + evicted) * self._row_bytes
-        moves: StepMoves = [partial(self.cache.apply, p, plan) for p, plan in enumerate(ready)
-                            if len(plan.fetch_ids) or len(plan.evict_ids)]  # fmt: skip
+        moves: StepMoves = [
+            partial(self.cache.apply, p, plan)
+            for p, plan in enumerate(ready)
+            if len(plan.fetch_ids) or len(plan.evict_ids)
+        ]
         self._steps += 1
         return PlannedStep(step, moves, {self: step_slots})
 

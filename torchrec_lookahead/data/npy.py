@@ -156,7 +156,7 @@ def _header(shape: tuple[int, int], dtype: np.dtype) -> bytes:
             "descr": np.lib.format.dtype_to_descr(dtype),
             "fortran_order": False,
             "shape": shape,
-        },  # fmt: skip
+        },
     )
     header = buffer.getvalue()
     assert len(header) == _HEADER_BYTES, f"a .npy header of {len(header)} bytes for {shape}"

@@ -23,9 +23,33 @@ __all__ = ["CRITEO_KAGGLE_TABLE_SIZES", "SparseBatch", "SyntheticCriteo", "ZipfS
 
 # Rows per categorical feature of the Criteo Kaggle (Display Advertising) data set.
 CRITEO_KAGGLE_TABLE_SIZES: tuple[int, ...] = (
-    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
-    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
-)  # fmt: skip
+    1460,
+    583,
+    10131227,
+    2202608,
+    305,
+    24,
+    12517,
+    633,
+    3,
+    93145,
+    5683,
+    8351593,
+    3194,
+    27,
+    14992,
+    5461306,
+    10,
+    5652,
+    2173,
+    4,
+    7046547,
+    18,
+    15,
+    286181,
+    105,
+    142572,
+)
 
 
 class ZipfSampler:

@@ -65,9 +65,11 @@ def convert_tsv_day(
     is written, so a caller can count them without reading the file again."""
     raw_dense = out / f".day_{day}_dense_raw.npy"
     low = _INT32.max
-    with RowWriter(out / f"day_{day}_labels.npy", np.int32, 1) as labels, \
-         RowWriter(out / f"day_{day}_sparse.npy", np.int64, CAT_FEATURE_COUNT) as sparse, \
-         RowWriter(raw_dense, np.int32, INT_FEATURE_COUNT) as dense:  # fmt: skip
+    with (
+        RowWriter(out / f"day_{day}_labels.npy", np.int32, 1) as labels,
+        RowWriter(out / f"day_{day}_sparse.npy", np.int64, CAT_FEATURE_COUNT) as sparse,
+        RowWriter(raw_dense, np.int32, INT_FEATURE_COUNT) as dense,
+    ):
         for first_line, text in _text_blocks(tsv, block_bytes):
             label, integers, ids = _parse_text(text, tsv, first_line)
             labels.append(label)
@@ -177,12 +179,17 @@ def _parse(lines: list[bytes], path: Path, first_line: int) -> tuple[np.ndarray,
     wrong = np.flatnonzero(widths != FIELDS)
     if wrong.size:
         at = int(wrong[0])
-        raise DataError(f"{path}:{first_line + at}: {widths[at]} tab-separated fields; a Criteo "
-                        f"line has {FIELDS} (a label, 13 integers, 26 hex ids)")  # fmt: skip
+        raise DataError(
+            f"{path}:{first_line + at}: {widths[at]} tab-separated fields; a Criteo "
+            f"line has {FIELDS} (a label, 13 integers, 26 hex ids)"
+        )
     table = np.array(rows, dtype=bytes)
     numbers = _decimal(table[:, : 1 + INT_FEATURE_COUNT], path, first_line)
-    return numbers[:, :1], numbers[:, 1:], _hexadecimal(table[:, 1 + INT_FEATURE_COUNT :], path,
-                                                        first_line)  # fmt: skip
+    return (
+        numbers[:, :1],
+        numbers[:, 1:],
+        _hexadecimal(table[:, 1 + INT_FEATURE_COUNT :], path, first_line),
+    )
 
 
 def _decimal(fields: np.ndarray, path: Path, first_line: int) -> np.ndarray:
@@ -217,8 +224,13 @@ def _hexadecimal(fields: np.ndarray, path: Path, first_line: int) -> np.ndarray:
     bad = np.argwhere(bad)
     if bad.size:
         row, column = bad[0]
-        _bad(path, first_line + row, 1 + INT_FEATURE_COUNT + column, fields[row, column],
-             "a hexadecimal id below 2**63")  # fmt: skip
+        _bad(
+            path,
+            first_line + row,
+            1 + INT_FEATURE_COUNT + column,
+            fields[row, column],
+            "a hexadecimal id below 2**63",
+        )
     return value.astype(np.int64)
 
 

@@ -112,9 +112,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             _check_replicable(tables, is_weighted)
         compute = torch.device(device) if device is not None else torch.device("cpu")
         if store_dir is not None and compute.type not in ("cpu", "meta"):
-            raise ValueError(f"a disk store runs on the CPU for now, not {compute}: its files "
-                             "are mapped host memory, and pinning them for a GPU would copy "
-                             "every table into RAM")  # fmt: skip
+            raise ValueError(
+                f"a disk store runs on the CPU for now, not {compute}: its files "
+                "are mapped host memory, and pinning them for a GPU would copy "
+                "every table into RAM"
+            )
         host = compute if compute.type == "meta" else torch.device("cpu")
         self.store_dir = None if store_dir is None else Path(store_dir)
         files = None
@@ -223,12 +225,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         missing = [f for f in self._flat_features if f not in index]
         if missing:
             raise ValueError(f"features {missing} are missing from the batch (it has {keys})")
-        return keep_inverse_indices(features.permute([index[f] for f in self._flat_features]),
-                                    features)  # fmt: skip
+        return keep_inverse_indices(
+            features.permute([index[f] for f in self._flat_features]), features
+        )
 
-    def prepare(
-        self, features: KeyedJaggedTensor, refusal: ValueError | None = None
-    ) -> StepInput:
+    def prepare(self, features: KeyedJaggedTensor, refusal: ValueError | None = None) -> StepInput:
         """Check a batch for every table without changing anything (see ``CachedTables``).
 
         ``refusal`` is the stage's verdict on the batch as a whole (its structure,
@@ -285,9 +286,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             **tbe_batch_sizes(features),
         )
         pooled = expand_pooled(pooled, features, self._output_dims)
-        return KeyedTensor(
-            keys=self._output_keys, length_per_key=self._output_dims, values=pooled
-        )
+        return KeyedTensor(keys=self._output_keys, length_per_key=self._output_dims, values=pooled)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.write_back()
@@ -338,8 +337,9 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         in RAM); the ``init_fn`` then writes the mapped weights in place.
         """
         configs = self.embedding_bag_configs()
-        files.check_space(sum(4 * c.num_embeddings * c.embedding_dim for c in configs),
-                          "the tables")  # fmt: skip
+        files.check_space(
+            sum(4 * c.num_embeddings * c.embedding_dim for c in configs), "the tables"
+        )
         for config in configs:
             shape = (config.num_embeddings, config.embedding_dim)
             weight = files.tensor(f"{config.name}.weight", shape)

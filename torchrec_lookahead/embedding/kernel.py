@@ -66,8 +66,10 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
             config = dataclasses.replace(config, embedding_tables=tables)
         if store_files is not None:  # the store TBE's host buffers are store files
             if on_cuda:
-                raise ValueError("a disk store under DMP runs on the CPU for now: FBGEMM's "
-                                 "UVM buffers of a CUDA TBE cannot be mapped files")  # fmt: skip
+                raise ValueError(
+                    "a disk store under DMP runs on the CPU for now: FBGEMM's "
+                    "UVM buffers of a CUDA TBE cannot be mapped files"
+                )
             buffers = _store_buffers(config, *store_files)
             fused = {**(config.fused_params or {}), "preallocated_host_buffers": buffers}
             config = dataclasses.replace(config, fused_params=fused)
@@ -87,18 +89,30 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
         # A plan's per-table cache_params.load_factor stays in each table's fused params
         # (TorchRec groups tables without it), so size each table's cache from its own.
         table_slots = [
-            sizing.rows(t.name, t.num_embeddings, t.local_rows,
-                        (t.fused_params or {}).get("cache_load_factor"))
+            sizing.rows(
+                t.name,
+                t.num_embeddings,
+                t.local_rows,
+                (t.fused_params or {}).get("cache_load_factor"),
+            )
             for t in config.embedding_tables
-        ]  # fmt: skip
+        ]
         self.store = store
         self.table_names = [t.name for t in config.embedding_tables]
         self.row_starts = [_row_offset(t) for t in config.embedding_tables]
         self._hot: HotRowTier | None = None  # replicas of some rows, see fold_replicas_from
         self.cached = CachedTables(
-            [t.name for t in config.embedding_tables], self.local_rows, self.local_cols,
-            self.feature_table_map, table_slots, store, optimizer, device, self.pooling, params,
-        )  # fmt: skip
+            [t.name for t in config.embedding_tables],
+            self.local_rows,
+            self.local_cols,
+            self.feature_table_map,
+            table_slots,
+            store,
+            optimizer,
+            device,
+            self.pooling,
+            params,
+        )
         self.use_fused_optimizer(CacheAwareFusedOptimizer(config, self.store_tbe, pg, self))
 
     def fold_replicas_from(self, hot: HotRowTier) -> None:
@@ -140,8 +154,9 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
             variable_batch = tbe_batch_sizes(features)
             if variable_batch:
                 variable_batch.update(kwargs)
-            return self.cached.lookup(features.offsets(), features.values().numel(), weights,
-                                      **variable_batch)  # fmt: skip
+            return self.cached.lookup(
+                features.offsets(), features.values().numel(), weights, **variable_batch
+            )
         if self.training and torch.is_grad_enabled():
             raise RuntimeError(
                 "a lookahead-cached table trains through LookaheadTrainPipeline; call the "
@@ -171,11 +186,14 @@ def _store_buffers(config: GroupedEmbeddingConfig, files: StoreFiles, prefix: st
         EmbOptimType.EXACT_ROWWISE_ADAGRAD: rows,
     }
     if optimizer not in state:
-        raise ValueError(f"a disk store supports the optimizers {sorted(map(str, state))}, "
-                         f"not {optimizer}")  # fmt: skip
+        raise ValueError(
+            f"a disk store supports the optimizers {sorted(map(str, state))}, not {optimizer}"
+        )
     state_elements = state[optimizer] or 0
-    files.check_space(4 * (elements + state_elements) + ORACLE_ROW_BYTES * rows,
-                      "the tables, their optimizer state and the oracles' row tables")
+    files.check_space(
+        4 * (elements + state_elements) + ORACLE_ROW_BYTES * rows,
+        "the tables, their optimizer state and the oracles' row tables",
+    )
     buffers = {"weights": files.tensor(f"{prefix}.weights", (elements,))}
     if state[optimizer] is not None:
         buffers["momentum1"] = files.tensor(f"{prefix}.momentum1", (state[optimizer],))

@@ -110,12 +110,15 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         }
         shards = {
             name: [
-                RowRange(md.placement.rank(), md.shard_offsets[0],
-                         md.shard_offsets[0] + md.shard_sizes[0])
+                RowRange(
+                    md.placement.rank(),
+                    md.shard_offsets[0],
+                    md.shard_offsets[0] + md.shard_sizes[0],
+                )
                 for md in infos[name].param_sharding.sharding_spec.shards
             ]
             for name in hot
-        }  # fmt: skip
+        }
         params = {name: dict(infos[name].fused_params or {}) for name in hot}
         configs = self.embedding_bag_configs()
         layout = HotLayout(
@@ -188,14 +191,24 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         return self._store_files
 
     def make_lookup(
-        self, index: int, configs: list[GroupedEmbeddingConfig], pg: dist.ProcessGroup | None,
-        device: torch.device | None, sharding_type: ShardingType | None, env: ShardingEnv,
-    ) -> LookaheadPooledEmbeddingsLookup:  # fmt: skip
+        self,
+        index: int,
+        configs: list[GroupedEmbeddingConfig],
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        sharding_type: ShardingType | None,
+        env: ShardingEnv,
+    ) -> LookaheadPooledEmbeddingsLookup:
         files = self._store_files
         return LookaheadPooledEmbeddingsLookup(
-            grouped_configs=configs, pg=pg, device=device, sharding_type=sharding_type, env=env,
-            sizing=self._sizing, store=None if files is None else (files, f"lookup{index}"),
-        )  # fmt: skip
+            grouped_configs=configs,
+            pg=pg,
+            device=device,
+            sharding_type=sharding_type,
+            env=env,
+            sizing=self._sizing,
+            store=None if files is None else (files, f"lookup{index}"),
+        )
 
     # ----------------------------------------------- driven by the pipeline
 
@@ -224,9 +237,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
                 self._hot_pg = dist.new_group(ranks=ranks)
             self._hot.attach(self._hot_pg)
 
-    def prepare(
-        self, features: KeyedJaggedTensor, refusal: ValueError | None = None
-    ) -> StepInput:
+    def prepare(self, features: KeyedJaggedTensor, refusal: ValueError | None = None) -> StepInput:
         """Check ids, distribute the batch (a collective), and check every shard's cache.
 
         ``refusal`` is the stage's verdict on the batch as a whole (its
@@ -280,19 +291,23 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         unchecked = np.iinfo(np.int64).max  # features of other modules
         try:
             check_feature_ids(
-                features.values().cpu().numpy(), features.length_per_key(), features.keys(),
+                features.values().cpu().numpy(),
+                features.length_per_key(),
+                features.keys(),
                 [self._feature_rows.get(k, unchecked) for k in features.keys()],
                 f"step {self._entered}",
-            )  # fmt: skip
+            )
         except ValueError as error:
             return error
         return None
 
     def _check_strides(self, features: KeyedJaggedTensor) -> ValueError | None:
         if self._hot is not None and features.variable_stride_per_key():
-            return ValueError("a deduplicated (variable-batch) batch cannot be split for "
-                              "replicated hot rows; send plain batches, or build the "
-                              "collection without hot_rows")  # fmt: skip
+            return ValueError(
+                "a deduplicated (variable-batch) batch cannot be split for "
+                "replicated hot rows; send plain batches, or build the "
+                "collection without hot_rows"
+            )
         if self._row_wise_on_gloo and features.variable_stride_per_key():
             return ValueError(
                 "a deduplicated (variable-batch) batch cannot reach row-wise shards over gloo: "
@@ -353,8 +368,9 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         assert self._hot is not None
         pooled = self._hot.lookup(hot)  # while the cold outputs travel
         cold = output.wait()
-        values = cold.values() + _in_order(pooled, self._hot.layout.keys, cold.keys(),
-                                           self._hot.layout.dim)  # fmt: skip
+        values = cold.values() + _in_order(
+            pooled, self._hot.layout.keys, cold.keys(), self._hot.layout.dim
+        )
         return KeyedTensor(keys=cold.keys(), length_per_key=cold.length_per_key(), values=values)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -396,8 +412,9 @@ def vote(error: ValueError | None, group: dist.ProcessGroup | None, device: torc
         raise error or ValueError("another rank refused this batch (see its error)")
 
 
-def refusals(error: ValueError | None, group: dist.ProcessGroup | None,
-             device: torch.device) -> torch.Tensor:  # fmt: skip
+def refusals(
+    error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
     """How many ranks of ``group`` refuse: an all-reduce of a tensor on ``device``, the
     device the group's backend takes (NCCL: CUDA only)."""
     failed = torch.tensor([error is not None], dtype=torch.int64, device=device)

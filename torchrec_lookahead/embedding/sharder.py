@@ -70,8 +70,11 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     ) -> ShardedLookaheadEmbeddingBagCollection:
         for name, sharding in params.items():
             shards = sharding.sharding_spec.shards if sharding.sharding_spec else []
-            empty = [rank for rank, shard in zip(sharding.ranks or [], shards)
-                     if shard.shard_sizes[0] == 0]  # fmt: skip
+            empty = [
+                rank
+                for rank, shard in zip(sharding.ranks or [], shards)
+                if shard.shard_sizes[0] == 0
+            ]
             if empty:
                 raise ValueError(
                     f"table {name}: the plan gives ranks {empty} no rows of it "
@@ -86,13 +89,18 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                 "would part; build the collection without hot_rows, or shard it with "
                 "DistributedModelParallel"
             )
-        whole_rows = {ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value,
-                      ShardingType.TABLE_ROW_WISE.value}  # fmt: skip
+        whole_rows = {
+            ShardingType.TABLE_WISE.value,
+            ShardingType.ROW_WISE.value,
+            ShardingType.TABLE_ROW_WISE.value,
+        }
         for name in module.hot_rows:
             if params[name].sharding_type not in whole_rows:
-                raise ValueError(f"table {name}: hot rows are replicated whole, and the plan "
-                                 f"splits its columns ({params[name].sharding_type}); shard it "
-                                 "table- or row-wise, or give it no hot rows")  # fmt: skip
+                raise ValueError(
+                    f"table {name}: hot rows are replicated whole, and the plan "
+                    f"splits its columns ({params[name].sharding_type}); shard it "
+                    "table- or row-wise, or give it no hot rows"
+                )
         return ShardedLookaheadEmbeddingBagCollection(
             module=module,
             table_name_to_parameter_sharding=params,

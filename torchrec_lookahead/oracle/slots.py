@@ -59,8 +59,10 @@ def new_state(capacity: int, num_rows: int, rows: np.ndarray | None = None) -> O
     if rows is None:
         rows = np.full((num_rows, ROW_FIELDS), -1, dtype=np.int64)
     elif rows.shape != (num_rows, ROW_FIELDS) or rows.dtype != np.int64:
-        raise ValueError(f"a row table must be int64 of shape {(num_rows, ROW_FIELDS)}, "
-                         f"got {rows.dtype} {rows.shape}")  # fmt: skip
+        raise ValueError(
+            f"a row table must be int64 of shape {(num_rows, ROW_FIELDS)}, "
+            f"got {rows.dtype} {rows.shape}"
+        )
     return OracleState(
         rows=rows,
         slots=_aligned((capacity, SLOT_FIELDS), -1),

@@ -87,8 +87,12 @@ class LookaheadTrainPipeline(TrainPipeline):
         window = Window(lookahead, prefetch_distance, planning_workers)
         for module in self._cached:
             module.attach(window)
-        self._stage = LookaheadStage(self._cached, _declared_features(model), device,
-                                     threaded=stage_on_thread(device, stage_thread))  # fmt: skip
+        self._stage = LookaheadStage(
+            self._cached,
+            _declared_features(model),
+            device,
+            threaded=stage_on_thread(device, stage_thread),
+        )
         self._window: deque[StepContext] = deque()  # batches entered, not yet run
         self._entered = 0  # batches that entered the window
         self._next_step = 0  # the step progress() runs next

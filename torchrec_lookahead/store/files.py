@@ -111,8 +111,9 @@ class StoreFiles:
         try:
             self._lock = open(self.directory / ".lock", "w")  # noqa: SIM115 (held while open)
         except OSError as error:
-            raise ValueError(f"store lock {str(self.directory / '.lock')!r} cannot be opened: "
-                             f"{error.strerror}") from None  # fmt: skip
+            raise ValueError(
+                f"store lock {str(self.directory / '.lock')!r} cannot be opened: {error.strerror}"
+            ) from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -148,8 +149,10 @@ class StoreFiles:
         to be made later, checked before the first of them is written)."""
         free = _free_bytes(self.directory)
         if nbytes > free:
-            raise ValueError(f"no space in store_dir {str(self.directory)!r} for {what}: "
-                             f"{_size(nbytes)} needed, {_size(free)} free")  # fmt: skip
+            raise ValueError(
+                f"no space in store_dir {str(self.directory)!r} for {what}: "
+                f"{_size(nbytes)} needed, {_size(free)} free"
+            )
 
     def tensor(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
@@ -251,13 +254,16 @@ class StoreFiles:
             return {}
         try:
             layout = json.loads(path.read_text())
-            if not all(set(e) == {"shape", "dtype"} and e["dtype"] in _SUFFIX.values()
-                       and isinstance(e["shape"], list) and all(
-                           isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                           for n in e["shape"])
-                       for e in layout.values()):  # fmt: skip
-                raise ValueError("entries must be {'shape': [rows, ...], 'dtype': 'f32' or "
-                                 "'i64'}")  # fmt: skip
+            if not all(
+                set(e) == {"shape", "dtype"}
+                and e["dtype"] in _SUFFIX.values()
+                and isinstance(e["shape"], list)
+                and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in e["shape"]
+                )
+                for e in layout.values()
+            ):
+                raise ValueError("entries must be {'shape': [rows, ...], 'dtype': 'f32' or 'i64'}")
         except (OSError, ValueError, TypeError, AttributeError) as error:
             reason = error.strerror if isinstance(error, OSError) else error
             raise ValueError(f"store layout {str(path)!r} is not a store's: {reason}") from None
@@ -281,8 +287,9 @@ class StoreFiles:
             os.replace(partial, path)
         except OSError as error:
             partial.unlink(missing_ok=True)
-            raise ValueError(f"store layout {str(path)!r} cannot be written: "
-                             f"{error.strerror}") from None  # fmt: skip
+            raise ValueError(
+                f"store layout {str(path)!r} cannot be written: {error.strerror}"
+            ) from None
 
 
 def will_need(tensor: torch.Tensor) -> None:
@@ -318,8 +325,9 @@ def _read(jobs: queue.Queue) -> None:
 
 def _no_space(path: Path, nbytes: int) -> ValueError:
     free = _free_bytes(path.parent)
-    return ValueError(f"no space for store file {str(path)!r}: it needs {_size(nbytes)}, "
-                      f"{_size(free)} are free")  # fmt: skip
+    return ValueError(
+        f"no space for store file {str(path)!r}: it needs {_size(nbytes)}, {_size(free)} are free"
+    )
 
 
 def _size(nbytes: int) -> str:

@@ -145,8 +145,7 @@ def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     rows = sum(len(t) for t in tensors)
     shape = (rows, *first.shape[1:])
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]  # contiguous
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape,
-                                   strides)  # fmt: skip
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, strides)
 
 
 class MmapStore(HostStore):
@@ -183,11 +182,15 @@ class MmapStore(HostStore):
     def allocate_states(self, shapes: Sequence[Sequence[torch.Size]]) -> None:
         """As :meth:`HostStore.allocate_states`, in store files; the disk must hold them and
         the oracles' row tables (made at the first batch) before any is written."""
-        state_bytes = sum(4 * len(w) * int(np.prod(shape)) for w, table in zip(self.weights, shapes)
-                          for shape in table)  # fmt: skip
+        state_bytes = sum(
+            4 * len(w) * int(np.prod(shape))
+            for w, table in zip(self.weights, shapes)
+            for shape in table
+        )
         oracle_bytes = ORACLE_ROW_BYTES * sum(len(w) for w in self.weights)
-        self.files.check_space(state_bytes + oracle_bytes,
-                               "the optimizer state and the oracles' row tables")  # fmt: skip
+        self.files.check_space(
+            state_bytes + oracle_bytes, "the optimizer state and the oracles' row tables"
+        )
         super().allocate_states(shapes)
 
     def _zeros(self, table: int, index: int, shape: tuple[int, ...]) -> torch.Tensor:

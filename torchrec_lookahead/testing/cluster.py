@@ -108,8 +108,18 @@ class EmulatedCluster:
         for i, name in enumerate(self.names):
             self._add_namespace(name)
             # Made inside the host's namespace, so no name is ever taken in the caller's.
-            _ip("ip", "link", "add", f"v{i}", "type", "veth", "peer", "name", f"p{i}",
-                namespace=name)  # fmt: skip
+            _ip(
+                "ip",
+                "link",
+                "add",
+                f"v{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"p{i}",
+                namespace=name,
+            )
             _ip("ip", "link", "set", f"p{i}", "netns", self.switch, namespace=name)
             _ip("ip", "link", "set", f"p{i}", "master", "br0", namespace=self.switch)
             _ip("ip", "link", "set", f"p{i}", "up", namespace=self.switch)
@@ -119,17 +129,34 @@ class EmulatedCluster:
             if self.rate_gbps is not None:
                 rate_bytes = self.rate_gbps * 1e9 / 8
                 burst = max(256 * 1024, int(rate_bytes * 0.002))  # 2 ms of the rate
-                _ip("tc", "qdisc", "add", "dev", f"v{i}", "root", "tbf", "rate",
-                    f"{self.rate_gbps}gbit", "burst", str(burst), "latency", "100ms",
-                    namespace=name)  # fmt: skip
+                _ip(
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    f"v{i}",
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{self.rate_gbps}gbit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "100ms",
+                    namespace=name,
+                )
 
     def run(
         self, host: int, command: Sequence[str], env: Mapping[str, str] | None = None, **popen
     ) -> subprocess.Popen:
         """Start ``command`` on ``host`` (in its namespace), with ``env`` added."""
         full_env = {**os.environ, **(env or {})}
-        process = subprocess.Popen(["ip", "netns", "exec", self.names[host], *command],
-                                   env=full_env, start_new_session=True, **popen)  # fmt: skip
+        process = subprocess.Popen(
+            ["ip", "netns", "exec", self.names[host], *command],
+            env=full_env,
+            start_new_session=True,
+            **popen,
+        )
         self._started.append(process)
         return process
 

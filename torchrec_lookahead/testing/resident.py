@@ -74,7 +74,11 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
             order = [keys.index(f) for f in self._features]
             features = keep_inverse_indices(features.permute(order), features)
         weights = features.weights() if self._is_weighted else None
-        pooled = self.tbe(features.values(), features.offsets(), per_sample_weights=weights,
-                          **tbe_batch_sizes(features))  # fmt: skip
+        pooled = self.tbe(
+            features.values(),
+            features.offsets(),
+            per_sample_weights=weights,
+            **tbe_batch_sizes(features),
+        )
         pooled = expand_pooled(pooled, features, self._dims)
         return KeyedTensor(keys=self._features, length_per_key=self._dims, values=pooled)
