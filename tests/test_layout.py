@@ -25,7 +25,7 @@ THEIRS = ("torch", "torchrec", "fbgemm_gpu")
 
 # Low to high: a module imports only from lower layers or its own package.
 LAYERS = [
-    {"settings", "metrics"},
+    {"settings", "metrics", "idle"},
     {"types", "_compat"},
     {"checks", "variable_batch", "streams", "traffic", "tbe", "determinism", "data"},
     {"oracle"},

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -44,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead.data.days import COLUMNS, KINDS, DayFiles, find_days
 from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.npy import DataError, MappedRows
+from torchrec_lookahead.idle import run_when_idle
 
 __all__ = ["CriteoDayReader", "DayFiles", "SampleOrder", "find_days", "stage_samples"]
 
@@ -196,11 +196,8 @@ def _one_buffer(
 
 
 def _idle_priority(worker: int) -> None:
-    """Loader workers run on the cycles the trainer leaves idle, as the lookahead stage
-    does: read ahead, they are off the critical path, and they must not take cores
-    from the step (on a CPU trainer, they would)."""
-    if hasattr(os, "SCHED_IDLE"):
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    """A loader worker reads ahead of the trainer, as the lookahead stage plans ahead."""
+    run_when_idle()
 
 
 class CriteoDayReader(Dataset):

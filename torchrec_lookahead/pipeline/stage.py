@@ -27,7 +27,6 @@ for the next plan leaves a core idle for it.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -39,6 +38,7 @@ import torch
 
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead.checks import check_batch
+from torchrec_lookahead.idle import run_when_idle
 from torchrec_lookahead.settings import check_count
 from torchrec_lookahead.types import LookaheadModule, PlannedStep, StepContext
 
@@ -139,8 +139,7 @@ class LookaheadStage:
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # no OpenMP team beside the trainer's (see the executor)
-        if hasattr(os, "SCHED_IDLE"):  # Linux: run on the cycles the trainer leaves idle
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        run_when_idle()
         while not self._stop.is_set():
             item = self._next_item()
             last = item.end or (item.error is not None and not isinstance(item.error, ValueError))
