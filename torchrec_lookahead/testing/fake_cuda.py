@@ -17,11 +17,19 @@ runs on, and keeps the host side real:
   (:attr:`FakeCuda.transfers`: pinned or pageable, blocking or not);
 * indexing a CUDA tensor from Python (``t[1:3]``), which torch's CPU build
   refuses before any operator runs, is rewritten into the operators it stands
-  for (so are ``.to``, ``.cuda``, ``.cpu`` and ``nonzero``); ``tolist`` reads
-  the shadow;
+  for (so are ``.to``, ``.cuda``, ``.cpu``, ``contiguous`` and ``nonzero``);
+  ``tolist`` reads the shadow;
 * random fills of a CUDA tensor draw on the shadow (a CPU build has no CUDA
   generator), and FBGEMM's unified-memory tensors (UVM) are device memory of
-  the size asked for (their meta kernel makes an empty one).
+  the size asked for (their meta kernel makes an empty one); FBGEMM's
+  ``keyed_jagged_index_select_dim1``, which has a CUDA kernel only, runs on
+  the shadows through FBGEMM's CPU ``permute_1D_sparse_data``;
+* a collective of CUDA tensors (on the ``cuda:fake`` process-group backend,
+  which takes CUDA tensors only, as NCCL does, and moves no data) acts on the
+  shadows as in a world whose every rank holds this rank's tensors: an
+  all-gather gathers copies, an all-to-all gets this rank's own chunk from
+  every rank, a sum is the world size times the value. A collective of CPU
+  tensors runs for real, and fails there as under NCCL.
 
 FBGEMM's training kernels (``split_embedding_*``) do not run on the shadows:
 the CPU kernels read a CPU table layout, and a CUDA table is laid out for the
@@ -44,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from torchrec_lookahead._compat import (
@@ -154,6 +163,10 @@ class FakeCuda:
                 tensor.shape, tensor.stride(), tensor.storage_offset()
             )
 
+    def _values(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The real values of ``tensor``: its shadow if fake, else itself."""
+        return self.real(tensor) if is_fake(tensor) else tensor
+
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is (emulated) page-locked host memory."""
         return not is_fake(tensor) and id(tensor.untyped_storage()) in self._pinned
@@ -198,6 +211,9 @@ class FakeCuda:
                     fake_out = func(*args, **kwargs)
                 except DATA_DEPENDENT:
                     dependent = True
+        if func.namespace == "c10d":
+            _collective_on_shadows(func, args, self._values)
+            return _map2(fake_out, None, self._pair)
         real_out = None if _no_real_run(func) else self._on_shadows(func, args, kwargs)
         if dependent:
             return _map(real_out, self._adopt)
@@ -231,7 +247,7 @@ class FakeCuda:
                 real_kwargs["device"] = torch.device("cpu")
         real_kwargs.pop("pin_memory", None)
         with real_tensors():
-            return func(*real_args, **real_kwargs)
+            return _HOST_TWINS.get(func, func)(*real_args, **real_kwargs)
 
     def _pair(self, fake: Any, real: Any) -> Any:
         """An output: a device tensor stays fake (its shadow filled if new); a host one is
@@ -312,6 +328,73 @@ _UNIFIED = {
 }
 
 
+def _collective_on_shadows(
+    func: Any, args: tuple, values: Callable[[torch.Tensor], torch.Tensor]
+) -> None:
+    """A collective's effect on the shadows (``values``) in a world of ranks alike (see the
+    module): what every rank would receive if every rank sent what this one sends."""
+    objects = [a for a in args if isinstance(a, torch.ScriptObject)]
+    group = dist.ProcessGroup.unbox(objects[0])
+    rank, world = group.rank(), group.size()
+    reduce_op: Any = objects[1] if len(objects) > 1 else None  # a boxed ReduceOp
+    times = world if reduce_op is not None and reduce_op.op() == dist.ReduceOp.SUM.value else 1
+    name = func.name().split("::")[1]
+    with real_tensors():
+        if name in ("allreduce_", "allreduce_coalesced_"):
+            for tensor in args[0]:
+                values(tensor).mul_(times)
+        elif name == "allgather_":
+            for out in args[0][0]:
+                values(out).copy_(values(args[1][0]))
+        elif name in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
+            pairs = [(args[0], args[1])] if name == "_allgather_base_" else zip(args[0], args[1])
+            for out, inp in pairs:
+                mine = values(inp).reshape(-1)
+                for chunk in values(out).view(-1).chunk(world):
+                    chunk.copy_(mine)
+        elif name == "alltoall_base_":
+            out, inp, out_splits, in_splits = values(args[0]), values(args[1]), args[3], args[4]
+            mine = inp.split(in_splits or inp.shape[0] // world)[rank]
+            for chunk in out.split(out_splits or out.shape[0] // world):
+                chunk.copy_(mine)
+        elif name == "alltoall_":
+            for out in args[0]:
+                values(out).copy_(values(args[1][rank]))
+        elif name == "reduce_scatter_":
+            values(args[0][0]).copy_(values(args[1][0][rank]) * times)
+        elif name == "_reduce_scatter_base_":
+            out = values(args[0])
+            out.copy_(values(args[1]).reshape(-1).chunk(world)[rank].view_as(out) * times)
+        elif name not in ("broadcast_", "barrier"):  # a broadcast from a rank alike: as it is
+            raise NotImplementedError(f"{func} of fake CUDA tensors")
+
+
+def _keyed_jagged_index_select_dim1(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    indices: torch.Tensor,
+    batch_size: int,
+    weights: torch.Tensor | None = None,
+    selected_lengths_sum: int | None = None,
+) -> list[torch.Tensor]:
+    """FBGEMM's ``keyed_jagged_index_select_dim1`` (a CUDA kernel only) on the CPU: the bags
+    ``indices`` of every key's ``batch_size`` bags, through FBGEMM's CPU permute."""
+    keys = lengths.numel() // batch_size
+    starts = torch.arange(keys, dtype=indices.dtype) * batch_size
+    picked = (starts.view(-1, 1) + indices.view(1, -1)).reshape(-1)
+    picked_lengths, picked_values, picked_weights = torch.ops.fbgemm.permute_1D_sparse_data(
+        picked, lengths, values, weights, selected_lengths_sum
+    )
+    return [picked_values, picked_lengths] + ([] if weights is None else [picked_weights])
+
+
+# FBGEMM operators with a CUDA kernel only: what runs on the shadows instead.
+_HOST_TWINS = {
+    torch.ops.fbgemm.keyed_jagged_index_select_dim1.default: _keyed_jagged_index_select_dim1,
+}
+
+
 def _no_real_run(func: Any) -> bool:
     """FBGEMM's training kernels: a CUDA table's layout is not what their CPU kernels read."""
     return func.namespace == "fbgemm" and "split_embedding" in func.name()
@@ -355,6 +438,12 @@ class _Functions(TorchFunctionMode):
             if name == "nonzero":
                 found = aten.nonzero.default(args[0])
                 return found.unbind(1) if kwargs.get("as_tuple") else found
+            if name == "contiguous":
+                layout = args[1] if len(args) > 1 else kwargs.get("memory_format")
+                layout = layout or torch.contiguous_format
+                if args[0].is_contiguous(memory_format=layout):
+                    return args[0]
+                return aten.clone.default(args[0], memory_format=layout)
         if isinstance(args[0], torch.Tensor) and name in ("to", "cuda", "cpu"):
             moved = _move(owner, args[0], name, args[1:], kwargs)
             if moved is not None:
