@@ -395,7 +395,9 @@ def loader_workers(local_ranks: int, cores: int | None = None) -> int:
     from the trainer or the stage: on the 2-core machine this project is measured on,
     one worker lowered the demo's samples/s for both plain TorchRec and lookahead
     (docs/guides/large-data.md)."""
-    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    if cores is None:  # the cores this process may run on (Linux), else the machine's
+        affinity = getattr(os, "sched_getaffinity", None)
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     return 1 if cores // max(local_ranks, 1) >= CORES_FOR_A_WORKER else 0
 
 
