@@ -478,10 +478,15 @@ class StreamChecker(streams.StreamBackend):
                 rows.append((target, keys, func is aten.index_copy_.default))
                 by_row.add("self")
         elif func.namespace == "fbgemm" and "split_embedding" in func.name():
+            bound = _named_weights(bound)
             rows, by_row = self._tbe_rows(func, bound)
         whole = []
         for name, write in self._schema(func):
             if name in by_row or write is None:
+                continue
+            if name == "weights" and by_row.intersection(("host_weights", "dev_weights")):
+                # packed and followed by row: its placements and offsets are only read
+                whole.extend((bound[n], False) for n in _PACKED_METADATA if n in bound)
                 continue
             for tensor in _tensors(bound.get(name)):
                 whole.append((tensor, write))
@@ -571,6 +576,24 @@ class StreamChecker(streams.StreamBackend):
                     if tensor.numel():
                         rows.append((tensor, keys + tensor.storage_offset(), write))
         return rows, by_row
+
+
+# FBGEMM >= 1.9's backward kernels take a table's weights packed in one list argument
+# (``Tensor[] weights``): on the CPU [host, placements, offsets], on CUDA [dev, uvm,
+# placements, offsets, lxu_cache]. Older releases pass each by name.
+_PACKED_WEIGHTS = {
+    3: ("host_weights", "weights_placements", "weights_offsets"),
+    5: ("dev_weights", "uvm_weights", "weights_placements", "weights_offsets", "lxu_cache_weights"),
+}
+_PACKED_METADATA = ("weights_placements", "weights_offsets")
+
+
+def _named_weights(bound: dict[str, Any]) -> dict[str, Any]:
+    """``bound`` with a packed ``weights`` list also bound by the older names."""
+    packed = bound.get("weights")
+    if not isinstance(packed, (list, tuple)) or len(packed) not in _PACKED_WEIGHTS:
+        return bound
+    return {**bound, **dict(zip(_PACKED_WEIGHTS[len(packed)], packed)), "weights": list(packed)}
 
 
 # Operators that read metadata only (views are told apart by their schemas).
