@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
-import torch.multiprocessing as mp
 
 from tests.distributed_cases import (
     OPTIMIZERS,
@@ -17,16 +14,11 @@ from tests.distributed_cases import (
     row_wise_deduplicated_worker,
     worker,
 )
+from tests.launch import free_port, spawn
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(world_size: int, cases: list[Case]) -> None:
-    mp.spawn(worker, args=(world_size, free_port(), cases), nprocs=world_size, join=True)
+def run_cases(world_size: int, cases: list[Case]) -> None:
+    spawn(worker, (world_size, free_port(), cases), nprocs=world_size)
 
 
 def test_canonical_use_matches_plain_torchrec() -> None:
@@ -36,7 +28,7 @@ def test_canonical_use_matches_plain_torchrec() -> None:
     draws far more combinations: world sizes 1 to 4, per-table settings, events.)"""
     types = ["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"]
     optimizers = list(OPTIMIZERS)
-    spawn(
+    run_cases(
         2,
         [
             Case(t, optimizers[i % 3], 16 if i % 2 else 1, stage_thread=bool(i % 2))
@@ -88,19 +80,19 @@ def test_a_row_wise_plan_with_an_empty_shard_is_refused_before_sharding() -> Non
 
 
 def test_row_wise_over_gloo_refuses_deduplicated_batches_clearly() -> None:
-    mp.spawn(row_wise_deduplicated_worker, args=(2, free_port()), nprocs=2)
+    spawn(row_wise_deduplicated_worker, (2, free_port()), nprocs=2)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_disk_store_matches_plain_torchrec(world_size: int) -> None:
-    spawn(
+    run_cases(
         world_size, [Case("column_wise", optimizer, 16, store_dir=True) for optimizer in OPTIMIZERS]
     )
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_deduplicated_batches_match_plain_torchrec(world_size: int) -> None:
-    spawn(
+    run_cases(
         world_size,
         [
             Case("table_wise", "sgd", 16, cache_load_factor=0.05, session=4),
@@ -110,15 +102,15 @@ def test_deduplicated_batches_match_plain_torchrec(world_size: int) -> None:
 
 
 def test_mixed_modules_bad_batch_on_one_rank_eval_and_checkpoint(tmp_path) -> None:
-    mp.spawn(integration_worker, args=(2, free_port(), str(tmp_path / "ckpt")), nprocs=2)
+    spawn(integration_worker, (2, free_port(), str(tmp_path / "ckpt")), nprocs=2)
 
 
 def test_malformed_batches_on_one_rank_are_refused_on_every_rank() -> None:
-    mp.spawn(malformed_worker, args=(2, free_port()), nprocs=2)
+    spawn(malformed_worker, (2, free_port()), nprocs=2)
 
 
 def test_canonical_use_with_the_lookahead_planner_matches_plain_torchrec() -> None:
-    mp.spawn(planned_worker, args=(2, free_port()), nprocs=2)
+    spawn(planned_worker, (2, free_port()), nprocs=2)
 
 
 def test_replicated_hot_rows_from_a_disk_store_train_like_plain_torchrec() -> None:
@@ -127,4 +119,4 @@ def test_replicated_hot_rows_from_a_disk_store_train_like_plain_torchrec() -> No
     table-wise cases, schedules, per-table optimizers and mid-run events are in
     ``test_hot_rows.py``)."""
     cases = [Case("row_wise", "rowwise_adagrad", 8, steps=30, stage_thread=True, store_dir=True)]
-    mp.spawn(hot_rows_worker, args=(2, free_port(), cases), nprocs=2, join=True)
+    spawn(hot_rows_worker, (2, free_port(), cases), nprocs=2)

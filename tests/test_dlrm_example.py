@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.launch import run_example
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,22 +34,19 @@ TINY = [
 def run(
     tmp: Path, *flags: str, ranks: int = 1, restarts: int = 0
 ) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """The example on ``ranks`` processes (under torchrun, restarting a failed worker group
-    up to ``restarts`` times, when more than one or when restarting)."""
-    launcher = [sys.executable, MAIN]
-    if ranks > 1 or restarts:
-        launcher = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={ranks}",
-            f"--max-restarts={restarts}",
-            MAIN,
-        ]
+    """The example on ``ranks`` processes, forked from the warm server (``tests.launch``),
+    or under torchrun when it is to restart a failed worker group up to ``restarts``
+    times; its output and summary."""
     out = tmp / "out"
-    cmd = launcher + ["--data_cache", str(tmp.parent / "data-cache"), "--out", str(out), *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = run_example(
+        "--data_cache",
+        str(tmp.parent / "data-cache"),
+        "--out",
+        str(out),
+        *flags,
+        ranks=ranks,
+        restarts=restarts,
+    )
     summary = out / "summary.json"
     return done, json.loads(summary.read_text()) if summary.exists() else None
 

@@ -51,7 +51,7 @@ def test_killed_rank_restarts_and_ends_bitwise_equal(
         tmp_path, *TINY, *STEPS, "--save_dir", str(save_dir), *failure.split(), ranks=2, restarts=3
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert killed in done.stderr
+    assert killed in done.stderr, done.stderr
     # Step 20's checkpoint never happened or was never published: the restart takes step 10.
     assert f"resumed from {save_dir / 'step_00000010'} at step 10" in done.stdout
     # The restart redoes steps 11..24. Once, in a loaded full suite, torchrun restarted the

@@ -8,18 +8,17 @@ example at two ranks (``test_dlrm_example.py``).
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from planners import hot_rows_report, propose_hot_rows
+from tests.launch import free_port, spawn
 from torchrec_lookahead import (
     LookaheadEmbeddingBagCollection,
     LookaheadEmbeddingBagCollectionSharder,
@@ -121,10 +120,7 @@ def _count(rank: int, port: int) -> None:
 
 
 def test_collective_bytes_are_what_each_rank_sends_to_the_others() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_count, args=(port,), nprocs=2, join=True)
+    spawn(_count, (free_port(),), nprocs=2)
 
 
 def _layout(hot, keys, key_tables, rows=10):  # noqa: ANN001, ANN202
@@ -234,10 +230,7 @@ def test_the_union_reads_a_bit_or_a_byte_per_row() -> None:
 def _spawn_hot(cases) -> None:  # noqa: ANN001
     from tests.hot_cases import hot_worker
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(hot_worker, args=(2, port, cases), nprocs=2, join=True)
+    spawn(hot_worker, (2, free_port(), cases), nprocs=2)
 
 
 def test_hot_rows_train_bitwise_like_plain_torchrec() -> None:
@@ -305,10 +298,7 @@ def test_hot_rows_under_2d_parallelism_are_refused() -> None:
     """(f) DMPCollection shards over a sharding group and all-reduces over replica groups:
     the hot rows' gradient divisor and group would be wrong there (before: not refused).
     DMPCollection itself builds on CUDA only; its ShardingEnv2D reaches the sharder here."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_refuse_2d, args=(port,), nprocs=1, join=True)
+    spawn(_refuse_2d, (free_port(),), nprocs=1)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])

@@ -18,7 +18,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -27,18 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from tests.exactness.compare import compare
 from tests.exactness.configs import Config, draw
+from tests.launch import free_port, spawn
 
 TIMEOUT = timedelta(seconds=180)  # a collective waiting longer: a rank failed
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _quiet() -> None:
@@ -117,7 +110,7 @@ def _run_group(world_size: int, configs: list[Config]) -> dict[int, dict]:
     while left:
         log = tempfile.mktemp(prefix="exactness-", suffix=".jsonl")
         try:
-            mp.spawn(_worker, args=(world_size, _port(), left, log), nprocs=world_size)
+            spawn(_worker, (world_size, free_port(), left, log), nprocs=world_size)
             error = None
         except Exception as caught:  # a rank failed: the group ended
             error = str(caught).strip().splitlines()[-1][:300]
