@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import EXAMPLE, machine
+from common import EXAMPLE, example_flags, machine
 from tqdm import tqdm
 
 from torchrec_lookahead.testing.cluster import (
@@ -81,28 +81,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def example_flags(args: argparse.Namespace, data: Path) -> list[str]:
+def model_flags(args: argparse.Namespace, data: Path) -> list[str]:
+    """The example's flags for every job: the model the issue's runs used, on synthetic data."""
     return [
+        *example_flags(args.scale, args.batch_size, args.steps, data, args.samples_per_day),
         "--embedding_dim",
         str(args.embedding_dim),
-        "--batch_size",
-        str(args.batch_size),
         "--dense_arch_layer_sizes",
         args.dense_arch,
         "--over_arch_layer_sizes",
         args.over_arch,
-        "--scale",
-        str(args.scale),
-        "--synthetic_samples_per_day",
-        str(args.samples_per_day),
-        "--limit_train_batches",
-        str(args.steps),
-        "--limit_val_batches",
-        "1",
-        "--limit_test_batches",
-        "1",
-        "--data_cache",
-        str(data),
     ]
 
 
@@ -162,7 +150,7 @@ def measure(
         for r in tqdm(range(args.runs), desc=f"{hosts} hosts, {rate or 'unshaped'} Gbit/s"):
             for job, flags in JOBS.items():
                 extra = ["--baseline"] if job == "lookahead" and r == 0 else []
-                summary = launch(cluster, args, [*example_flags(args, data), *flags, *extra], work)
+                summary = launch(cluster, args, [*model_flags(args, data), *flags, *extra], work)
                 first = summary["runs"][0]
                 times[job].append(step_ms(first))
                 sent[job] = first["bytes_per_step"]

@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import machine, run_example
+from common import example_flags, machine, run_example
 from tqdm import tqdm
 
 from torchrec_lookahead.traffic import EMBEDDING_KINDS
@@ -44,20 +44,7 @@ JOBS = {  # job -> flags, and the settings its two runs measure (lookahead first
 
 def measure(args: argparse.Namespace, work: Path, world_size: int, scale: float) -> dict:
     flags = [
-        "--scale",
-        str(scale),
-        "--batch_size",
-        str(args.batch_size),
-        "--limit_train_batches",
-        str(args.steps),
-        "--limit_val_batches",
-        "1",
-        "--limit_test_batches",
-        "1",
-        "--data_cache",
-        str(args.data_cache),
-        "--synthetic_samples_per_day",
-        str(args.samples_per_day),
+        *example_flags(scale, args.batch_size, args.steps, args.data_cache, args.samples_per_day),
         "--baseline",
         "--plan_sample_batches",
         str(args.sample_batches),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["machine", "pinned_rows_needed", "run_example"]
+__all__ = ["example_flags", "machine", "pinned_rows_needed", "run_example"]
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "dlrm" / "dlrm_main.py")
 
@@ -44,6 +44,26 @@ def pinned_rows_needed(stream: list[np.ndarray], prefetch_distance: int) -> int:
     return max(
         len(np.unique(np.concatenate(stream[max(0, s - d) : s + 1]))) for s in range(len(stream))
     )
+
+
+def example_flags(
+    scale: float,
+    batch_size: int,
+    steps: int,
+    data_cache: Path | str | None = None,
+    samples_per_day: int | None = None,
+) -> list[str]:
+    """The example's flags for a benchmark job on its synthetic data: tables at ``scale``
+    times Criteo Kaggle's, ``steps`` training batches of ``batch_size`` and one batch of
+    each evaluation (what a benchmark times is the training)."""
+    flags = ["--scale", str(scale), "--batch_size", str(batch_size)]
+    flags += ["--limit_train_batches", str(steps)]
+    flags += ["--limit_val_batches", "1", "--limit_test_batches", "1"]
+    if data_cache is not None:
+        flags += ["--data_cache", str(data_cache)]
+    if samples_per_day is not None:
+        flags += ["--synthetic_samples_per_day", str(samples_per_day)]
+    return flags
 
 
 def run_example(

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine, run_example
+from common import example_flags, machine, run_example
 from tqdm import tqdm
 
 from torchrec_lookahead.variable_batch import gather_bags
@@ -139,24 +139,13 @@ def bags_bound(plain_step_ms: float, floor_ms: float, session_size: int) -> floa
 
 def measure(args: argparse.Namespace, work: Path) -> list[dict]:
     base = [
-        "--scale",
-        str(args.scale),
-        "--batch_size",
-        str(args.batch_size),
+        *example_flags(
+            args.scale, args.batch_size, args.steps, args.data_cache, args.samples_per_day
+        ),
         "--embedding_dim",
         str(args.embedding_dim),
         "--dense_arch_layer_sizes",
         f"64,{args.embedding_dim}",
-        "--limit_train_batches",
-        str(args.steps),
-        "--limit_val_batches",
-        "1",
-        "--limit_test_batches",
-        "1",
-        "--data_cache",
-        str(args.data_cache),
-        "--synthetic_samples_per_day",
-        str(args.samples_per_day),
     ]
     # samples/s per run: over every step, and after the first (the window's fill and the
     # process's warm-up, one-time costs that weigh heavily in a short run)

@@ -27,25 +27,14 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import machine, run_example
+from common import example_flags, machine, run_example
 
 
 def launch(args: argparse.Namespace, work: Path, *flags: str) -> tuple[float, dict]:
     """One torchrun job of the example (checkpointing into a folder of its own); returns
     its wall seconds and its summary."""
     flags = [
-        "--scale",
-        str(args.scale),
-        "--batch_size",
-        str(args.batch_size),
-        "--limit_train_batches",
-        str(args.steps),
-        "--limit_val_batches",
-        "1",
-        "--limit_test_batches",
-        "1",
-        "--data_cache",
-        str(args.data_cache),
+        *example_flags(args.scale, args.batch_size, args.steps, args.data_cache),
         "--save_dir",
         str(Path(tempfile.mkdtemp(dir=work)) / "ckpt"),
         *flags,

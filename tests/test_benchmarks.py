@@ -12,12 +12,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def benchmark(name: str, out: Path, *flags: str) -> str:
+    """Run ``benchmarks/<name>.py --out out *flags``; its stdout (its stderr if it fails)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--out", str(out), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "oracle.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "oracle",
+        tmp_path,
         "--scale",
         "0.002",
         "--batch-size",
@@ -37,8 +43,7 @@ def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
         "4",
         "--repeats",
         "1",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "MIN" in out and "Planning speed" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert (tmp_path / "misses.png").stat().st_size > 0
@@ -52,11 +57,9 @@ def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
 
 
 def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "step_time.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "step_time",
+        tmp_path,
         "--scale",
         "0.001",
         "--batch-size",
@@ -69,8 +72,7 @@ def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -
         "4",
         "--repeats",
         "1",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "all resident" in out and "same final weights: True" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["same_weights"] is True
@@ -80,11 +82,9 @@ def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -
 
 
 def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "step_time.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "step_time",
+        tmp_path,
         "--world-size",
         "1",
         "--scale",
@@ -99,8 +99,7 @@ def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Pa
         "4",
         "--repeats",
         "1",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "plain TorchRec" in out and "same final weights: True" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["same_weights"] is True and len(report["ranks"]) == 1
@@ -108,11 +107,9 @@ def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Pa
 
 
 def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "planner.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "planner",
+        tmp_path,
         "--scale",
         "0.001",
         "--batch-size",
@@ -123,8 +120,7 @@ def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> 
         "20",
         "--lookahead",
         "4",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["statistics_s"] > 0 and len(report["accuracy"]) == 3 and "predicted" in out
     assert all(0 <= a["predicted"] <= 1 and 0 <= a["measured"] <= 1 for a in report["accuracy"])
@@ -133,11 +129,9 @@ def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> 
 def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None:
     store = tmp_path / "store"
     store.mkdir()
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "disk_store.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "disk_store",
+        tmp_path,
         "--scale",
         "0.001",
         "--batch-size",
@@ -158,8 +152,7 @@ def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None
         "2",
         "--store-dir",
         str(store),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "disk, no read-ahead" in out and "larger than RAM" in out and "DCP checkpoints" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert len(report["fits"]) == 6 and all(r["step_ms"] > 0 for r in report["fits"])
@@ -172,11 +165,9 @@ def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None
 
 
 def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "dedup.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "dedup",
+        tmp_path,
         "--scale",
         "0.001",
         "--batch-size",
@@ -192,8 +183,7 @@ def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -
         "1",
         "--data-cache",
         str(tmp_path / "data"),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "Deduplicated batches" in out
     report = json.loads((tmp_path / "report.json").read_text())
     one, eight = report["results"]
@@ -212,11 +202,9 @@ def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -
 
 
 def test_batch_check_report_times_both_checks(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "batch_check.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "batch_check",
+        tmp_path,
         "--scale",
         "0.001",
         "--batch-sizes",
@@ -226,8 +214,7 @@ def test_batch_check_report_times_both_checks(tmp_path: Path) -> None:
         "3",
         "--repeats",
         "2",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "structure" in out and "ids" in out
     results = json.loads((tmp_path / "report.json").read_text())["results"]
     assert {(r["check"], r["batch_size"]) for r in results} == {
@@ -239,11 +226,9 @@ def test_batch_check_report_times_both_checks(tmp_path: Path) -> None:
 
 def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "data.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "data",
+        tmp_path,
         "--data-dir",
         str(data),
         "--small-gb",
@@ -266,8 +251,7 @@ def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) ->
         "1",
         "--shuffle-chunk",
         "1024",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "Data larger than memory" in out
     report = json.loads((tmp_path / "report.json").read_text())
     results = {(r["data"], r["num_workers"]): r for r in report["results"]}
@@ -281,11 +265,9 @@ def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) ->
 
 
 def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "comm.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "comm",
+        tmp_path,
         "--world-size",
         "2",
         "--scales",
@@ -302,8 +284,7 @@ def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> Non
         "6",
         "--data-cache",
         str(tmp_path / "data"),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "bytes_ratio" in out and "time_ratio" in out
     (result,) = json.loads((tmp_path / "report.json").read_text())["results"]
     settings = result["settings"]
@@ -326,11 +307,9 @@ def test_preprocess_report_measures_memory_and_speed_and_removes_the_data(
     tmp_path: Path,
 ) -> None:
     work = tmp_path / "work"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "preprocess.py"),
-        "--out",
-        str(tmp_path),
+    out = benchmark(
+        "preprocess",
+        tmp_path,
         "--work-dir",
         str(work),
         "--lines",
@@ -344,8 +323,7 @@ def test_preprocess_report_measures_memory_and_speed_and_removes_the_data(
         "2",
         "--workers",
         "1",
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    )
     assert "Preprocessing Criteo days" in out and "peak RSS MB" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["date"] and report["machine"]["cores"] >= 1
