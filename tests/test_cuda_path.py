@@ -65,7 +65,7 @@ from torchrec_lookahead.store.stores import HostStore
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.stream_check import StreamChecker
 from torchrec_lookahead.testing.streams import use_deferred_side_streams
-from torchrec_lookahead.types import CachePlan, PlannedStep, StepContext, StepInput
+from torchrec_lookahead.types import CachePlan, ModuleInput, StepContext, StepPlan
 
 DATA = batches(16)
 CUDA = torch.device("cuda", 0)
@@ -339,8 +339,8 @@ def test_the_hand_over_marks_every_tensor_of_the_step_for_the_trainer() -> None:
         batch = Batch(torch.zeros(2, 4).to(CUDA), features, torch.ones(2).to(CUDA))
         slots = torch.tensor([5, 6, 7]).to(CUDA)
         hot = HotPart(torch.tensor([0, 1]).to(CUDA))
-        inputs = {"module": StepInput([], None, replicated=hot)}
-        context = StepContext(0, batch, inputs, PlannedStep(0, [], {"group": slots}))
+        inputs = {"module": ModuleInput([], None, replicated=hot)}
+        context = StepContext(0, batch, inputs, StepPlan(0, [], {"group": slots}))
         stage.hand_over(context)
         trainer = checker.stream_name(0)
         for name, tensor in [

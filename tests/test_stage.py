@@ -44,9 +44,9 @@ def test_batches_are_planned_on_the_stage_thread_or_inline(live_threads, threade
     planned_on = set()
     prepare = model.unweighted.prepare
 
-    def spy(features, refusal=None):
+    def spy(features, step, refusal=None):
         planned_on.add(threading.current_thread().name)
-        return prepare(features, refusal)
+        return prepare(features, step, refusal)
 
     model.unweighted.prepare = spy
     pipeline, it = pipeline_for(model, threaded=threaded), iter(DATA)
@@ -142,11 +142,11 @@ def test_the_stage_thread_yields_the_cores_to_the_trainer(live_threads, monkeypa
 
     monkeypatch.setattr(CacheTable, "apply", spy_apply)
 
-    def spy(features, refusal=None):
+    def spy(features, step, refusal=None):
         seen.add(
             (threading.current_thread().name, os.sched_getscheduler(0), torch.get_num_threads())
         )
-        return prepare(features, refusal)
+        return prepare(features, step, refusal)
 
     model.unweighted.prepare = spy
     trainer = (os.sched_getscheduler(0), torch.get_num_threads())

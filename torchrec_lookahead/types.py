@@ -5,7 +5,10 @@ oracle layer needs none): a :class:`CachePlanner` turns batches of ids into
 :class:`CachePlan`\\ s; a :class:`LookaheadModule` is what the pipeline drives;
 a :class:`StepContext` is one batch's state from the moment it enters the
 window until its step has run, and travels with the batch (stage -> pipeline
--> module) instead of being kept in per-step tables by each of them.
+-> module) instead of being kept in per-step tables by each of them. The step
+types are named for their grain: a :class:`PreparedGroup` per cached group, a
+:class:`ModuleInput` per module, a :class:`StepPlan` and a :class:`StepContext`
+per step.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from torchrec_lookahead.settings import check_count, check_fraction
 
 if TYPE_CHECKING:
+    import torch
+    from torchrec.distributed.embedding_types import KJTList
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from torchrec_lookahead.metrics import CacheMetrics
@@ -29,16 +35,30 @@ __all__ = [
     "CachePlan",
     "CachePlanner",
     "CacheSizing",
+    "CachedGroup",
     "LookaheadModule",
-    "PlannedStep",
-    "PreparedStep",
+    "ModuleInput",
+    "PreparedGroup",
+    "PreparedIds",
     "StepContext",
-    "StepInput",
     "StepMoves",
+    "StepPlan",
     "Window",
 ]
 
 StepMoves = list[Callable[[], None]]  # the row moves of one step, run by the executor in order
+
+
+class PreparedIds(Protocol):
+    """What a planner's ``prepare`` makes of a batch, as its caller reads it."""
+
+    @property
+    def unique(self) -> np.ndarray:
+        """The batch's distinct ids."""
+        ...
+
+
+PreparedT = TypeVar("PreparedT", bound=PreparedIds)  # a planner's prepared batch
 
 
 @dataclass(frozen=True)
@@ -61,7 +81,7 @@ class CachePlan:
         return len(self.fetch_ids)
 
 
-class CachePlanner(ABC):
+class CachePlanner(ABC, Generic[PreparedT]):
     """Plans one cache from the batches it will serve, in step order.
 
     The calls, in order: ``prepare`` a batch (checks it and changes nothing,
@@ -73,7 +93,7 @@ class CachePlanner(ABC):
     """
 
     @abstractmethod
-    def prepare(self, batch: Any) -> Any:
+    def prepare(self, batch: Any) -> PreparedT:
         """Check the next batch (ids, capacity) without letting it in; ``ValueError`` if bad."""
 
     @abstractmethod
@@ -89,7 +109,7 @@ class CachePlanner(ABC):
         """The write-back of every resident row (for checkpoints and the end of training)."""
 
     @abstractmethod
-    def absent(self, prepared: Any) -> np.ndarray:
+    def absent(self, prepared: PreparedT) -> np.ndarray:
         """The distinct ids of a prepared batch not resident now: what its step may fetch."""
 
     def plan(self, batches: Iterable[Any]) -> Iterator[CachePlan]:
@@ -150,40 +170,51 @@ class CacheSizing:
         return min(local_rows, max(self.min_rows, wanted, 1))
 
 
+class CachedGroup(Protocol):
+    """A group of tables cached behind one TBE, as the pipeline and the step types see it
+    (:class:`~torchrec_lookahead.cache.tables.CachedTables`): a key, and what each step did."""
+
+    step_counts: dict[int, tuple[np.ndarray, np.ndarray]]  # step -> (distinct ids, misses)
+
+
 @dataclass(frozen=True)
-class PreparedStep:
+class PreparedGroup:
     """A batch checked by one group of cached tables, ready to enter its window."""
 
+    group: CachedGroup  # the group that checked it
     step: int
     lookups: np.ndarray  # ids per table
-    batches: list[Any]  # per pool: what its planner's prepare returned
-    positions: list[slice | np.ndarray] | None  # per pool, where its ids sit (None: 1 pool)
+    batches: list[PreparedIds]  # per pool: what its planner's prepare returned
+    # Where each slot pool's ids sit in the batch, pool after pool (None: one pool), on the
+    # device: the step's lookup puts the plan's slots, pool after pool, in the batch's order.
+    order: torch.Tensor | None
     # A window's first batch: the slots per table sized for it and the pools' planners,
     # installed when the batch enters (a refused batch leaves the sizing as it was).
-    sizing: tuple[list[int], list[CachePlanner]] | None = None
+    sizing: tuple[list[int], list[CachePlanner[Any]]] | None = None
 
 
 @dataclass(frozen=True)
-class StepInput:
+class ModuleInput:
     """What a module's ``prepare`` made of a batch: per cached group, the batch checked
     for it; under DMP also the batch as distributed to this rank (TorchRec's context and
-    input), which the step's forward consumes, and its hot part for the replicated rows."""
+    input), which the step's forward consumes, and its hot part for the replicated rows
+    (an ``embedding.hot.HotInput``, a layer above this one)."""
 
-    groups: list[PreparedStep]
-    distributed: tuple[Any, Any] | None = None
-    replicated: Any = None  # a HotStep (embedding.replicated), with replicated hot rows
+    groups: list[PreparedGroup]
+    distributed: tuple[EmbeddingBagCollectionContext, KJTList] | None = None
+    replicated: object = None
 
 
 @dataclass
-class PlannedStep:
-    """A step whose plans are made: its row moves and, per cached group, the cache slot
-    of each of its ids (what the step's lookups read)."""
+class StepPlan:
+    """A step whose plans are made: its row moves and, per cached group, the cache slots
+    of its ids, pool after pool (the group's lookup takes them out, in the batch's order)."""
 
     step: int
     moves: StepMoves = field(default_factory=list)
-    slots: dict[Any, Any] = field(default_factory=dict)  # cached group -> slots tensor
+    slots: dict[CachedGroup, torch.Tensor] = field(default_factory=dict)
 
-    def merge(self, other: PlannedStep) -> None:
+    def merge(self, other: StepPlan) -> None:
         """Add ``other``'s moves and slots (another group's plan of the same step)."""
         if other.step != self.step:
             raise ValueError(f"plans of steps {self.step} and {other.step} cannot merge")
@@ -193,16 +224,25 @@ class PlannedStep:
 
 @dataclass
 class StepContext:
-    """One batch in the window: made by the stage when the batch enters, completed by the
-    pipeline when its step is planned, read by the modules when its step runs."""
+    """One batch in the window: made by the stage when the batch enters (which numbers
+    it: ``step``), completed by the pipeline when its step is planned, and held by the
+    modules while its step runs, whose lookups take their slots from it."""
 
     step: int
-    batch: Any
-    inputs: dict[Any, StepInput] = field(default_factory=dict)  # module -> what it prepared
-    planned: PlannedStep | None = None  # filled once batch ``step + L`` has entered
+    batch: Any  # what the data loader yields (``batch.sparse_features``: the ids)
+    inputs: dict[LookaheadModule, ModuleInput] = field(default_factory=dict)
+    plan: StepPlan | None = None  # filled once batch ``step + L`` has entered
     # An event after the stage's device work on the batch and, once planned, on its plan (the
     # step's slots): what the trainer's stream waits for at the hand-over.
-    ready: Any = None
+    ready: object = None
+
+    def prepared(self, group: CachedGroup) -> PreparedGroup:
+        """What ``group`` made of this batch (its ``prepare``)."""
+        for module_input in self.inputs.values():
+            for prepared in module_input.groups:
+                if prepared.group is group:
+                    return prepared
+        raise KeyError(f"step {self.step} was not prepared by this group")
 
 
 @runtime_checkable
@@ -216,18 +256,20 @@ class LookaheadModule(Protocol):
        order: a sharded module makes its collectives' process group here); the
        cache is emptied and the window starts at step 0.
     2. For each batch, on the lookahead stage's thread, in data order:
-       ``prepare(features, refusal)`` checks it for every cached table and
-       changes nothing (``refusal``, the stage's verdict on the batch as a
-       whole, is raised, and under DMP voted on so that every rank refuses
-       together; the sharded module distributes the batch here); then
-       ``enter(prepared)`` lets it into the window and returns the
-       :class:`PlannedStep` of the step ``L`` batches back, now complete. The
-       stage keeps what ``prepare`` returned (a :class:`StepInput`) in the
-       batch's :class:`StepContext`.
+       ``prepare(features, step, refusal)`` checks it for every cached table and
+       changes nothing (``step`` is the number the stage gave the batch;
+       ``refusal``, the stage's verdict on the batch as a whole, is raised,
+       and under DMP voted on so that every rank refuses together; the
+       sharded module distributes the batch here); then ``enter(prepared)``
+       lets it into the window and returns the :class:`StepPlan` of the step
+       ``L`` batches back, now complete. The stage keeps what ``prepare``
+       returned (a :class:`ModuleInput`) in the batch's :class:`StepContext`.
     3. At the end of the data, ``finish()`` returns the steps still to plan.
     4. For each step, on the trainer's thread, once its moves have landed:
-       ``begin_step(context)``, then the model's forward, whose lookups read
-       the step's slots (and, sharded, its distributed input) from there.
+       ``begin_step(context)``, then the model's forward. The module holds the
+       context until the step's lookups have taken from it their slots (and,
+       sharded, the distributed input), as TorchRec's pipelined forward holds
+       its context.
     5. ``write_back()`` writes updated cache rows to the store (the end of the
        data; ``state_dict`` does it too).
 
@@ -238,17 +280,17 @@ class LookaheadModule(Protocol):
     input_dist_s: float  # CPU seconds the stage spent distributing batches (0 unsharded)
 
     @property
-    def cached_groups(self) -> list[Any]: ...
+    def cached_groups(self) -> list[CachedGroup]: ...
 
     def attach(self, window: Window) -> None: ...
 
     def prepare(
-        self, features: KeyedJaggedTensor, refusal: ValueError | None = None
-    ) -> StepInput: ...
+        self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
+    ) -> ModuleInput: ...
 
-    def enter(self, prepared: StepInput) -> PlannedStep | None: ...
+    def enter(self, prepared: ModuleInput) -> StepPlan | None: ...
 
-    def finish(self) -> list[PlannedStep]: ...
+    def finish(self) -> list[StepPlan]: ...
 
     def begin_step(self, context: StepContext) -> None: ...
 

@@ -3,10 +3,12 @@
 The unsharded ``LookaheadEmbeddingBagCollection`` owns one group; under
 ``DistributedModelParallel`` each lookahead kernel (one per grouped shard
 config on a rank) owns one. The lookahead stage drives every group the same
-way: ``prepare`` a batch's features, ``enter`` them (a step's plan comes back
-as a :class:`~torchrec_lookahead.types.PlannedStep`: its moves for the
-executor, its slots for the lookups), ``begin_step`` with the step's slots
-before the step's forward, which calls ``lookup``. Tables of equal row width
+way: ``prepare`` a batch's features (for the step the stage numbered it),
+``enter`` them (a step's plan comes back as a
+:class:`~torchrec_lookahead.types.StepPlan`: its moves for the executor, its
+slots for the lookups), ``begin_step`` with the step's
+:class:`~torchrec_lookahead.types.StepContext` before the step's forward, whose
+``lookup`` takes the step's slots from that context. Tables of equal row width
 share a slot pool and one oracle (:mod:`~torchrec_lookahead.cache.pools`), so
 planning costs one oracle call per pool and step whatever the number of tables.
 """
@@ -34,9 +36,10 @@ from torchrec_lookahead.store.stores import HostStore
 from torchrec_lookahead.types import (
     CachePlan,
     CachePlanner,
-    PlannedStep,
-    PreparedStep,
+    PreparedGroup,
+    StepContext,
     StepMoves,
+    StepPlan,
     Window,
 )
 from torchrec_lookahead.variable_batch import check_variable_batch_optimizer
@@ -108,10 +111,8 @@ class CachedTables:
             np.flatnonzero(pool_of_table[tables] == p) for p in range(len(self.pools))
         ]
         self._window = Window(1, 1)  # set by attach
-        self._oracles: list[CachePlanner] | None = None  # built at the window's first batch
-        self._entered = 0
-        self._positions: dict[int, list[slice | np.ndarray] | None] = {}  # PreparedStep.positions
-        self._running: torch.Tensor | None = None  # slots of the step being run
+        self._oracles: list[CachePlanner[Any]] | None = None  # built at the window's first batch
+        self._context: StepContext | None = None  # the step being run, until its lookup
         self._dirty = False  # cache rows updated since the last write-back
         self._logged: set[str] = set()
         self._counts = {k: np.zeros(len(names), dtype=np.int64) for k in _COUNTERS}
@@ -133,9 +134,14 @@ class CachedTables:
         ]
 
     @property
-    def entered(self) -> int:
-        """Batches that entered the window since ``attach`` (the next batch's step)."""
-        return self._entered
+    def sized(self) -> bool:
+        """Whether the pools have their sizes: a batch entered the window since ``attach``."""
+        return self._oracles is not None
+
+    @property
+    def context(self) -> StepContext | None:
+        """The context of the step being run, from ``begin_step`` until its lookup."""
+        return self._context
 
     def attach(self, window: Window) -> None:
         """Start a new window: the cache written back and emptied; oracles at the first batch."""
@@ -143,15 +149,13 @@ class CachedTables:
         self.cache.clear()
         self._window = window
         self._oracles = None
-        self._entered = 0
-        self._positions.clear()
-        self._running = None
+        self._context = None
         self.step_counts.clear()
 
     def prepare(
-        self, features: KeyedJaggedTensor, bound: Mapping[str, int] | None = None
-    ) -> PreparedStep:
-        """Check a batch for every table (ids, capacity) without changing anything.
+        self, features: KeyedJaggedTensor, step: int, bound: Mapping[str, int] | None = None
+    ) -> PreparedGroup:
+        """Check the batch of ``step`` for every table (ids, capacity) without changing anything.
 
         At a window's first batch the pools are sized for it: a table whose
         share is smaller than the rows ``d + 1`` such batches can touch brings
@@ -159,22 +163,23 @@ class CachedTables:
         says how many ids a batch like this one can bring a table where that
         is more than this one has: a shard's share of a batch varies (row-wise
         shards, hot ids split off), its whole batch does not. The sizing and
-        the pools' planners travel with the prepared step and take effect at
+        the pools' planners travel with the prepared group and take effect at
         ``enter``.
         """
-        step = self._entered
         if self.cache.device.type != "cpu":  # the CPU pools variable batches padded, any optimizer
             check_variable_batch_optimizer(features, self._optimizer, f"step {step}")
         values = features.values().cpu().numpy()
         lengths = features.length_per_key()
         check_feature_ids(values, lengths, features.keys(), self._feature_rows, f"step {step}")
         ids = values + np.repeat(self._feature_offset, lengths) if self._offset_ids else values
-        positions = None
+        order = None
         per_pool = [ids]
         if len(self.pools) > 1:
             edges = np.concatenate([[0], np.cumsum(lengths)])
             positions = [_positions(edges, features) for features in self._pool_features]
             per_pool = [ids[where] for where in positions]
+            places = np.concatenate([np.arange(len(ids))[where] for where in positions])
+            order = streams.to_device(torch.from_numpy(places), self.cache.device)
         lookups = np.bincount(self._feature_table, weights=lengths, minlength=len(self.names))
         lookups = lookups.astype(np.int64)
         oracles, sizing = self._oracles, None
@@ -189,14 +194,11 @@ class CachedTables:
             ]
             sizing = (table_slots, oracles)
         batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
-        return PreparedStep(step, lookups, batches, positions, sizing)
+        return PreparedGroup(self, step, lookups, batches, order, sizing)
 
-    def enter(self, prepared: PreparedStep) -> PlannedStep | None:
-        """A prepared batch enters the window; returns the moves of a step now planned."""
-        if prepared.step != self._entered:
-            raise ValueError(
-                f"a batch prepared for step {prepared.step} cannot enter at step {self._entered}"
-            )
+    def enter(self, prepared: PreparedGroup) -> StepPlan | None:
+        """A prepared batch enters the window (its planners check that it is their next
+        step); returns the plan of a step now complete."""
         if prepared.sizing is not None:
             self._install(*prepared.sizing)
         distinct = np.concatenate(
@@ -206,27 +208,21 @@ class CachedTables:
         self._counts["lookups"] += prepared.lookups
         self._counts["unique_ids"] += distinct
         self.step_counts[prepared.step] = (distinct, np.zeros_like(distinct))
-        self._positions[prepared.step] = prepared.positions
-        self._entered += 1
         if self.cache.store.reads_ahead:
             self._read_ahead(prepared)
         plans = [oracle.push(batch) for oracle, batch in zip(self._planners, prepared.batches)]
         return self._planned(plans)
 
-    def finish(self) -> list[PlannedStep]:
+    def finish(self) -> list[StepPlan]:
         """End of the data: the steps still to plan, with shorter windows."""
         remaining = [oracle.finish() for oracle in self._oracles or []]
         return [planned for step in zip(*remaining) if (planned := self._planned(list(step)))]
 
-    def begin_step(self, planned: PlannedStep | None) -> None:
-        """The next ``lookup`` runs ``planned``'s step, reading its slots of this group."""
-        if planned is None or self not in planned.slots:
+    def begin_step(self, context: StepContext) -> None:
+        """The next ``lookup`` runs ``context``'s step: it takes this group's slots from there."""
+        if context.plan is None or self not in context.plan.slots:
             raise RuntimeError("a step runs before its plan was made: the window is broken")
-        self._running = planned.slots[self]
-
-    @property
-    def step_running(self) -> bool:
-        return self._running is not None
+        self._context = context
 
     def lookup(
         self,
@@ -237,7 +233,8 @@ class CachedTables:
     ) -> torch.Tensor:
         """Pooled embeddings of the running step's batch, through the cache
         (``variable_batch``: FBGEMM's arguments for a deduplicated batch)."""
-        slots, self._running = self._running, None
+        context, self._context = self._context, None
+        slots = None if context is None else self._step_slots(context)
         if slots is None or slots.numel() != num_ids:
             raise RuntimeError(
                 f"the batch has {num_ids} ids but its plan has "
@@ -256,7 +253,7 @@ class CachedTables:
     # ------------------------------------------------------------ internals
 
     @property
-    def _planners(self) -> list[CachePlanner]:
+    def _planners(self) -> list[CachePlanner[Any]]:
         """The pools' planners (made at a window's first batch, so only then)."""
         assert self._oracles is not None, "no batch has entered the window"
         return self._oracles
@@ -277,7 +274,7 @@ class CachedTables:
             for share, rows, count in zip(self._shares, self.num_rows, lookups)
         ]
 
-    def _install(self, table_slots: list[int], oracles: list[CachePlanner]) -> None:
+    def _install(self, table_slots: list[int], oracles: list[CachePlanner[Any]]) -> None:
         """A window's first batch enters: the pools take their sizes, the planners their place."""
         for t, (share, slots) in enumerate(zip(self._shares, table_slots)):
             if slots > share and self.names[t] not in self._logged:
@@ -297,7 +294,20 @@ class CachedTables:
             self.cache.resize(self._pool_slots(table_slots))
         self._oracles = oracles
 
-    def _read_ahead(self, prepared: PreparedStep) -> None:
+    def _step_slots(self, context: StepContext) -> torch.Tensor:
+        """The cache slot of each id of ``context``'s batch, in the batch's order: this
+        group's entry of the step's plan, taken out, its pools' slots put where their ids
+        sit in the batch."""
+        assert context.plan is not None  # checked by begin_step
+        slots = context.plan.slots.pop(self)
+        order = context.prepared(self).order
+        if order is None:
+            return slots
+        in_batch = torch.empty_like(slots)
+        in_batch[order] = slots
+        return in_batch
+
+    def _read_ahead(self, prepared: PreparedGroup) -> None:
         """Start reading the rows this batch's step may fetch: those not resident now.
 
         L + d steps before they are needed, so disk latency hides behind the
@@ -310,7 +320,7 @@ class CachedTables:
         ]
         self.cache.store.read_ahead(rows)
 
-    def _planner(self, slots: int, pool: int) -> CachePlanner:
+    def _planner(self, slots: int, pool: int) -> CachePlanner[Any]:
         w = self._window
         num_rows = self.pools[pool].num_rows
         first_table = self.names[self.pools[pool].tables[0]]
@@ -328,18 +338,12 @@ class CachedTables:
             row_table=row_table,
         )
 
-    def _planned(self, plans: list[CachePlan | None]) -> PlannedStep | None:
+    def _planned(self, plans: list[CachePlan | None]) -> StepPlan | None:
         ready = [plan for plan in plans if plan is not None]  # the pools plan in lockstep
         if not ready:
             return None
         step = ready[0].step
-        positions = self._positions.pop(step)
-        if positions is None:
-            slots = ready[0].slots
-        else:
-            slots = np.empty(sum(len(plan.slots) for plan in ready), dtype=np.int64)
-            for where, plan in zip(positions, ready):
-                slots[where] = plan.slots
+        slots = np.concatenate([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
         step_slots = streams.to_device(torch.from_numpy(slots), self.cache.device)
         order = self._table_order
         fetched = np.concatenate(
@@ -359,7 +363,7 @@ class CachedTables:
             if len(plan.fetch_ids) or len(plan.evict_ids)
         ]
         self._steps += 1
-        return PlannedStep(step, moves, {self: step_slots})
+        return StepPlan(step, moves, {self: step_slots})
 
 
 _COUNTERS = ("lookups", "unique_ids", "misses", "rows_fetched", "rows_written_back", "bytes_moved")

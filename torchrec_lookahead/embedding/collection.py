@@ -24,7 +24,7 @@ from torchrec_lookahead.embedding.hot.layout import check_hot_rows
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import HostStore, MmapStore
-from torchrec_lookahead.types import CacheSizing, PlannedStep, StepContext, StepInput, Window
+from torchrec_lookahead.types import CacheSizing, ModuleInput, StepContext, StepPlan, Window
 from torchrec_lookahead.variable_batch import (
     expand_pooled,
     keep_inverse_indices,
@@ -229,27 +229,30 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             features.permute([index[f] for f in self._flat_features]), features
         )
 
-    def prepare(self, features: KeyedJaggedTensor, refusal: ValueError | None = None) -> StepInput:
-        """Check a batch for every table without changing anything (see ``CachedTables``).
+    def prepare(
+        self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
+    ) -> ModuleInput:
+        """Check the batch of ``step`` for every table without changing anything (see
+        ``CachedTables``).
 
         ``refusal`` is the stage's verdict on the batch as a whole (its structure,
         see :mod:`~torchrec_lookahead.checks`): raised as it is.
         """
         if refusal is not None:
             raise refusal
-        return StepInput([self._attached.prepare(self.select(features))])
+        return ModuleInput([self._attached.prepare(self.select(features), step)])
 
-    def enter(self, prepared: StepInput) -> PlannedStep | None:
+    def enter(self, prepared: ModuleInput) -> StepPlan | None:
         """A prepared batch enters the window; returns the plan of a step now complete."""
         return self._attached.enter(prepared.groups[0])
 
-    def finish(self) -> list[PlannedStep]:
+    def finish(self) -> list[StepPlan]:
         """End of the data: the steps still to plan, with shorter windows."""
         return self._attached.finish()
 
     def begin_step(self, context: StepContext) -> None:
-        """The next forward runs ``context``'s step."""
-        self._attached.begin_step(context.planned)
+        """The next forward runs ``context``'s step (its lookup takes the slots from there)."""
+        self._attached.begin_step(context)
 
     def write_back(self) -> None:
         """Write updated cache rows back to the store (the rows stay cached)."""
@@ -265,7 +268,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     # -------------------------------------------------------------- module
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if self._cached is None or not self._cached.step_running:
+        if self._cached is None or self._cached.context is None:
             if self.training and torch.is_grad_enabled():
                 raise RuntimeError(
                     "LookaheadEmbeddingBagCollection trains through LookaheadTrainPipeline; "

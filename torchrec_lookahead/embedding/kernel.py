@@ -145,7 +145,7 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
         return [weights, *states]
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.cached.step_running:
+        if self.cached.context is not None:  # a step runs: its slots are in its context
             # The fused optimizer's learning rate lives on the store TBE; keep the cache's in step.
             set_learning_rate(self.cached.cache.tbe, self.store_tbe.get_learning_rate())
             weights = features.weights_or_none()

@@ -43,7 +43,7 @@ from torchrec_lookahead.embedding.lookup import LookaheadPooledEmbeddingsLookup
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.traffic import label
-from torchrec_lookahead.types import PlannedStep, StepContext, StepInput, Window
+from torchrec_lookahead.types import ModuleInput, StepContext, StepPlan, Window
 from torchrec_lookahead.variable_batch import (
     VARIABLE_BATCH_OPTIMIZERS,
     gather_bags,
@@ -89,15 +89,13 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         # Collectives take tensors of the device the sharded module computes on (NCCL: CUDA).
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
-        self._running_input: tuple[Any, Any] | None = None
-        self._entered = 0  # batches that entered the window since attach
+        self._context: StepContext | None = None  # the step being run, until its forward
         self._feature_rows = {
             f: t.num_embeddings for t in self.embedding_bag_configs() for f in t.feature_names
         }
         self._table_features = {t.name: list(t.feature_names) for t in self.embedding_bag_configs()}
         self._hot = self._make_hot_tier(module.hot_rows) if module.hot_rows else None
         self._hot_pg: dist.ProcessGroup | None = None  # the hot rows' update, made at attach
-        self._running_hot: HotInput | None = None
         self._last_hot: HotInput | None = None  # the stage's last, its union not yet resolved
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
@@ -231,14 +229,17 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.attach(window)
-        self._entered = 0
+        self._context = None
         if self._hot is not None:  # collectives: the hot rows' layout agreed, then loaded
             if self._hot_pg is None:
                 self._hot_pg = dist.new_group(ranks=ranks)
             self._hot.attach(self._hot_pg)
 
-    def prepare(self, features: KeyedJaggedTensor, refusal: ValueError | None = None) -> StepInput:
-        """Check ids, distribute the batch (a collective), and check every shard's cache.
+    def prepare(
+        self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
+    ) -> ModuleInput:
+        """Check the ids of the batch of ``step``, distribute it (a collective), and check
+        every shard's cache.
 
         ``refusal`` is the stage's verdict on the batch as a whole (its
         structure, see :mod:`~torchrec_lookahead.checks`). It and bad ids are
@@ -247,7 +248,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         every rank, so all ranks drop it together and their collectives stay
         in step.
         """
-        self._agree(refusal or self._check_ids(features) or self._check_strides(features))
+        self._agree(refusal or self._check_ids(features, step) or self._check_strides(features))
         start = time.thread_time()
         bound = self._ids_bound(features)
         hot = None
@@ -268,17 +269,17 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         try:
             for lookup, kjt in zip(self.lookups, distributed):
                 for kernel, part in zip(lookup.kernels, lookup.kernel_features(kjt)):
-                    prepared.append(kernel.cached.prepare(part, bound))
+                    prepared.append(kernel.cached.prepare(part, step, bound))
         except ValueError as caught:
             error = caught
         self._agree(error)
-        return StepInput(prepared, (ctx, distributed), hot)
+        return ModuleInput(prepared, (ctx, distributed), hot)
 
     def _ids_bound(self, features: KeyedJaggedTensor) -> dict[str, int] | None:
         """Per table, the ids a shard of it can get from a batch like ``features`` (every
         rank's ids of its features, as many as this rank's: a bound where batches have one
         shape), for sizing caches at a window's first batch; ``None`` after that."""
-        if all(group.entered for group in self.cached_groups):
+        if all(group.sized for group in self.cached_groups):
             return None
         per_key = dict(zip(features.keys(), features.length_per_key()))
         bound: dict[str, int] = {}
@@ -287,7 +288,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             bound[table] = self.env.world_size * count
         return bound
 
-    def _check_ids(self, features: KeyedJaggedTensor) -> ValueError | None:
+    def _check_ids(self, features: KeyedJaggedTensor, step: int) -> ValueError | None:
         unchecked = np.iinfo(np.int64).max  # features of other modules
         try:
             check_feature_ids(
@@ -295,7 +296,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
                 features.length_per_key(),
                 features.keys(),
                 [self._feature_rows.get(k, unchecked) for k in features.keys()],
-                f"step {self._entered}",
+                f"step {step}",
             )
         except ValueError as error:
             return error
@@ -323,12 +324,11 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         elif error is not None:
             raise error
 
-    def enter(self, prepared: StepInput) -> PlannedStep | None:
-        self._entered += 1  # the distributed input stays in the step's context
+    def enter(self, prepared: ModuleInput) -> StepPlan | None:
         planned = [g.enter(p) for g, p in zip(self.cached_groups, prepared.groups)]
         return _merge(planned)
 
-    def finish(self) -> list[PlannedStep]:
+    def finish(self) -> list[StepPlan]:
         if self._last_hot is not None:
             self._last_hot.union()
             self._last_hot = None
@@ -336,12 +336,11 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         return [merged for step in zip(*per_group) if (merged := _merge(list(step)))]
 
     def begin_step(self, context: StepContext) -> None:
-        """The next forward runs ``context``'s step: its slots, and the input the stage
-        distributed when its batch entered the window."""
+        """The next forward runs ``context``'s step: it takes from there the input the stage
+        distributed when the batch entered the window, and its lookups the step's slots."""
         for group in self.cached_groups:
-            group.begin_step(context.planned)
-        self._running_input = context.inputs[self].distributed
-        self._running_hot = context.inputs[self].replicated
+            group.begin_step(context)
+        self._context = context
 
     def write_back(self) -> None:
         for kernel in self.kernels:
@@ -358,10 +357,13 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
     # -------------------------------------------------------------- module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._running_input is None:
+        context, self._context = self._context, None
+        if context is None:
             return super().forward(*args, **kwargs)  # eval: kernels read the store
-        (ctx, distributed), hot = self._running_input, self._running_hot
-        self._running_input = self._running_hot = None
+        step_input = context.inputs[self]
+        assert step_input.distributed is not None  # a sharded module's input is distributed
+        (ctx, distributed), hot = step_input.distributed, step_input.replicated
+        assert hot is None or isinstance(hot, HotInput)
         output = GatheredOutput.adopt(self.compute_and_output_dist(ctx, distributed), gather_bags)
         if hot is None:
             return output
@@ -394,12 +396,12 @@ def _in_order(pooled: torch.Tensor, keys: list[str], wanted: list[str], dim: int
     return per_key.index_select(1, index).reshape(pooled.shape[0], -1)
 
 
-def _merge(planned: list[PlannedStep | None]) -> PlannedStep | None:
+def _merge(planned: list[StepPlan | None]) -> StepPlan | None:
     """One step's plans from every group (the groups plan in lockstep)."""
     steps = [p for p in planned if p is not None]
     if not steps:
         return None
-    merged = PlannedStep(steps[0].step)
+    merged = StepPlan(steps[0].step)
     for step in steps:
         merged.merge(step)
     return merged

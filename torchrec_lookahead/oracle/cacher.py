@@ -140,7 +140,7 @@ def check_range(ids: np.ndarray, where: str, num_rows: int | None) -> None:
         )
 
 
-class OracleCacher(CachePlanner):
+class OracleCacher(CachePlanner[PreparedBatch]):
     """Windowed-Belady cache planner for one table.
 
     Args:

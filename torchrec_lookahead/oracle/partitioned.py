@@ -57,7 +57,7 @@ class PartitionedBatch:
         return np.concatenate([global_ids(b.unique, p, k) for p, b in enumerate(self.parts)])
 
 
-class PartitionedOracle(CachePlanner):
+class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
     """``partitions`` oracles, each planning a hash share of the rows and of the slots.
 
     Args: those of :class:`OracleCacher` (``row_table`` is called once per
@@ -149,7 +149,9 @@ class PartitionedOracle(CachePlanner):
             )
         return PartitionedBatch(self, step, ids, tuple(parts))
 
-    def absent(self, prepared: PartitionedBatch) -> np.ndarray:
+    def absent(self, prepared: PreparedBatch | PartitionedBatch) -> np.ndarray:
+        if isinstance(prepared, PreparedBatch):  # one partition: the oracle's own batch
+            return self._parts[0].absent(prepared)
         k = len(self._parts)
         parts = zip(self._parts, prepared.parts)
         return np.concatenate([global_ids(o.absent(b), p, k) for p, (o, b) in enumerate(parts)])

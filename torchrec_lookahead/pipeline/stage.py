@@ -40,7 +40,7 @@ import torchrec_lookahead.streams as streams
 from torchrec_lookahead.checks import check_batch
 from torchrec_lookahead.idle import run_when_idle
 from torchrec_lookahead.settings import check_count
-from torchrec_lookahead.types import LookaheadModule, PlannedStep, StepContext
+from torchrec_lookahead.types import LookaheadModule, StepContext, StepPlan
 
 __all__ = ["LookaheadStage", "StageItem"]
 
@@ -50,9 +50,9 @@ class StageItem:
     """What the stage hands the trainer, in data order."""
 
     context: StepContext | None = None  # a batch that entered the window (None: error / end)
-    planned: list[PlannedStep] = field(default_factory=list)  # steps planned on entry
+    plans: list[StepPlan] = field(default_factory=list)  # steps planned on entry
     error: BaseException | None = None  # ValueError: the batch was refused, else the stage died
-    end: bool = False  # the data ended (``planned`` holds the last steps)
+    end: bool = False  # the data ended (``plans`` holds the last steps)
     # An event after the stage's device work for this item: its batch and the slots of the
     # steps it planned (a step's hand-over waits for the item that completed its plan).
     ready: Any = None
@@ -88,7 +88,9 @@ class LookaheadStage:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._iter: Iterator[Any] | None = None
-        self._entered = 0  # batches that entered the window: the step of the next one
+        # Batches that entered the window: the step of the next one. The stage numbers the
+        # steps; every other part takes a step's number from its context.
+        self._entered = 0
         # CPU seconds the stage's thread spent distributing batches (DMP) and planning
         # them: its cost, whatever the wall time (the thread waits for idle cores).
         self.timings = {"input_dist_s": 0.0, "plan_s": 0.0}
@@ -180,12 +182,13 @@ class LookaheadStage:
         start = time.thread_time()
         distributing = self._input_dist_s()
         features = getattr(batch, "sparse_features", None)
-        prepared = [module.prepare(features, refusal) for module in self._modules]  # may raise
-        item = StageItem(StepContext(self._entered, batch, dict(zip(self._modules, prepared))))
-        for module, tables in zip(self._modules, prepared):
-            planned = module.enter(tables)
-            if planned is not None:
-                item.planned.append(planned)
+        step = self._entered
+        prepared = [module.prepare(features, step, refusal) for module in self._modules]
+        item = StageItem(StepContext(step, batch, dict(zip(self._modules, prepared))))
+        for module, module_input in zip(self._modules, prepared):
+            plan = module.enter(module_input)
+            if plan is not None:
+                item.plans.append(plan)
         self._entered += 1
         self._account(start, distributing)
         return item
@@ -196,7 +199,7 @@ class LookaheadStage:
         item = StageItem(end=True)
         with self._lane.context():  # the last steps' slots, made on the stage's stream too
             for module in self._modules:
-                item.planned.extend(module.finish())
+                item.plans.extend(module.finish())
         item.ready = self._lane.record()
         self._account(start, distributing)
         return item

@@ -93,9 +93,9 @@ class LookaheadTrainPipeline(TrainPipeline):
             device,
             threaded=stage_on_thread(device, stage_thread),
         )
-        self._window: deque[StepContext] = deque()  # batches entered, not yet run
-        self._entered = 0  # batches that entered the window
-        self._next_step = 0  # the step progress() runs next
+        # Batches entered, not yet run, in step order: the first is the step progress() runs
+        # next, the last the newest that entered (the stage numbers them).
+        self._window: deque[StepContext] = deque()
         self._issued = 0  # steps whose moves went to the executor
         self._data_done = False
         self._executor = PlanExecutor(device)
@@ -168,11 +168,10 @@ class LookaheadTrainPipeline(TrainPipeline):
                 module.write_back()
             self.close()
             raise StopIteration
-        step = self._next_step
+        step = self._window[0].step
         self._issue(through=step + self.prefetch_distance)
         self.timings["wait_s"] += self._executor.wait(step)
         context = self._window.popleft()
-        self._next_step += 1
 
         start = time.perf_counter()
         self._stage.hand_over(context)
@@ -199,13 +198,12 @@ class LookaheadTrainPipeline(TrainPipeline):
                     raise item.error
                 if item.context is not None:
                     self._window.append(item.context)
-                    self._entered += 1
-                for planned in item.planned:  # the plans of steps still in the window
-                    context = self._window[planned.step - self._next_step]
-                    if context.planned is None:
-                        context.planned = planned
+                for plan in item.plans:  # the plans of steps still in the window
+                    context = self._window[plan.step - self._window[0].step]
+                    if context.plan is None:
+                        context.plan = plan
                     else:
-                        context.planned.merge(planned)
+                        context.plan.merge(plan)
                     # The step's slots were made on the stage's stream with this item: the
                     # step's hand-over waits for it (a later event than its batch's own).
                     context.ready = item.ready
@@ -220,10 +218,11 @@ class LookaheadTrainPipeline(TrainPipeline):
         Step ``s`` is planned once batch ``s + L`` has entered (or the data ended);
         a step may have no moves, e.g. on a rank that owns no cached shard.
         """
-        planned = self._entered if self._data_done else self._entered - self.lookahead
+        entered = self._window[-1].step + 1
+        planned = entered if self._data_done else entered - self.lookahead
         while self._issued <= min(through, planned - 1):
-            context = self._window[self._issued - self._next_step]
-            self._executor.submit(self._issued, context.planned.moves if context.planned else [])
+            context = self._window[self._issued - self._window[0].step]
+            self._executor.submit(self._issued, context.plan.moves if context.plan else [])
             self._issued += 1
 
 

@@ -480,7 +480,7 @@ class StreamChecker(streams.StreamBackend):
         elif func.namespace == "fbgemm" and "split_embedding" in func.name():
             bound = _named_weights(bound)
             rows, by_row = self._tbe_rows(func, bound)
-        whole = []
+        whole: list[tuple[torch.Tensor, bool]] = []
         for name, write in self._schema(func):
             if name in by_row or write is None:
                 continue
