@@ -96,7 +96,6 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._table_features = {t.name: list(t.feature_names) for t in self.embedding_bag_configs()}
         self._hot = self._make_hot_tier(module.hot_rows) if module.hot_rows else None
         self._hot_pg: dist.ProcessGroup | None = None  # the hot rows' update, made at attach
-        self._last_hot: HotInput | None = None  # the stage's last, its union not yet resolved
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
     def _make_hot_tier(self, hot: dict[str, np.ndarray]) -> HotRowTier:
@@ -252,12 +251,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         start = time.thread_time()
         bound = self._ids_bound(features)
         hot = None
-        if self._hot is not None:
-            if self._last_hot is not None:  # the previous step's union, off the backward
-                self._last_hot.union()
-            # The union's exchange starts: a collective, on every rank alike.
+        if self._hot is not None:  # the union's exchange starts: a collective, on every rank
             features, hot = self._hot.prepare(features, self._cold_variable_batch, self._stage_pg)
-            self._last_hot = hot
         ctx = self.create_context()
         self.use_input_dists(self._stage_input_dists or None)  # this thread's: the stage's
         try:
@@ -329,9 +324,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         return _merge(planned)
 
     def finish(self) -> list[StepPlan]:
-        if self._last_hot is not None:
-            self._last_hot.union()
-            self._last_hot = None
+        if self._hot is not None:
+            self._hot.resolve()
         per_group = [group.finish() for group in self.cached_groups]
         return [merged for step in zip(*per_group) if (merged := _merge(list(step)))]
 

@@ -7,7 +7,9 @@ The calls it receives, in order (every rank alike):
    are current.
 2. ``prepare(features, ...)`` per batch, on the stage's thread, ``L`` steps
    ahead: the cold part for the owners, the hot part for the replicas, and the
-   union's exchange started (a collective on the stage's group).
+   union's exchange started (a collective on the stage's group); the previous
+   batch's exchange is resolved first. ``resolve()`` at the end of the data
+   resolves the last.
 3. ``lookup(hot)`` in the step's forward: the hot part of the pooled output.
    Its backward sums the step's hot-row gradients over the ranks in the
    owners' order and applies them to every replica
@@ -118,6 +120,7 @@ class HotRowTier:
             1, "hot-rows-sum", initializer=torch.set_num_threads, initargs=(1,)
         )
         self._pending: tuple[Future, Union] | None = None
+        self._exchanging: HotInput | None = None  # the stage's last batch, union unresolved
 
     # ------------------------------------------------------------ lifecycle
 
@@ -158,11 +161,22 @@ class HotRowTier:
         self, features: KeyedJaggedTensor, variable_batch: bool, group: dist.ProcessGroup | None
     ) -> tuple[KeyedJaggedTensor, HotInput]:
         """Split a batch into its cold part and its hot part, and start the exchange of
-        the hot rows it touches (a collective on ``group``, the stage's)."""
+        the hot rows it touches (a collective on ``group``, the stage's), once the
+        previous batch's is resolved (so its step's backward finds its union ready)."""
+        self.resolve()
         cold, split = split_batch(self.layout, features, variable_batch, self.device, self._row_of)
         self.metrics.lookups += split.ids
         self.metrics.hot_lookups += len(split.rows)
-        return cold, HotInput(split, start_union(split, group), self.layout.num_rows)
+        hot = HotInput(split, start_union(split, group), self.layout.num_rows)
+        self._exchanging = hot
+        return cold, hot
+
+    def resolve(self) -> None:
+        """Resolve the union of the stage's last batch, if still exchanging (the end of
+        the data: no next batch will)."""
+        if self._exchanging is not None:
+            self._exchanging.union()
+            self._exchanging = None
 
     # ------------------------------------------------------------- trainer
 
