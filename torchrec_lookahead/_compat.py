@@ -43,7 +43,7 @@ from torchrec.distributed.embeddingbag import (
 )
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
-from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "UNIQUE",
     "DispatchMode",
     "GatheredOutput",
+    "CompletedOutput",
     "LookupBase",
     "FusedKernelBase",
     "FusedOptimizerBase",
@@ -361,6 +362,21 @@ class GatheredOutput(VariableBatchEmbeddingBagCollectionAwaitable):
             embedding_names=self._embedding_names,
             embedding_dims=self._embedding_dims,
         )
+
+
+class CompletedOutput(LazyAwaitable[Any]):
+    """A sharded module's output awaitable, completed by ``complete`` when waited for: a
+    module that adds to TorchRec's output (the hot rows' part) still returns one
+    awaitable, as TorchRec's sharded modules do. Waiting is TorchRec's private
+    ``_wait_impl``, hence here."""
+
+    def __init__(self, output: Any, complete: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self._output = output
+        self._complete = complete
+
+    def _wait_impl(self) -> Any:
+        return self._complete(self._output.wait())
 
 
 # ------------------------------------------------------------ torch.distributed

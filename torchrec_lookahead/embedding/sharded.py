@@ -25,6 +25,7 @@ from torchrec.distributed.types import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import (
+    CompletedOutput,
     GatheredOutput,
     ShardedCollectionBase,
 )
@@ -363,11 +364,13 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             return output
         assert self._hot is not None
         pooled = self._hot.lookup(hot)  # while the cold outputs travel
-        cold = output.wait()
-        values = cold.values() + _in_order(
-            pooled, self._hot.layout.keys, cold.keys(), self._hot.layout.dim
-        )
-        return KeyedTensor(keys=cold.keys(), length_per_key=cold.length_per_key(), values=values)
+        layout = self._hot.layout
+
+        def with_hot_rows(cold: KeyedTensor) -> KeyedTensor:
+            values = cold.values() + _in_order(pooled, layout.keys, cold.keys(), layout.dim)
+            return KeyedTensor(cold.keys(), cold.length_per_key(), values)
+
+        return CompletedOutput(output, with_hot_rows)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.write_back()
