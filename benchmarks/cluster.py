@@ -39,12 +39,12 @@ from pathlib import Path
 from common import EXAMPLE, example_flags, machine
 from tqdm import tqdm
 
+from torchrec_lookahead.metrics import EMBEDDING_KINDS
 from torchrec_lookahead.testing.cluster import (
     ClusterUnavailable,
     EmulatedCluster,
     namespaces_available,
 )
-from torchrec_lookahead.traffic import EMBEDDING_KINDS
 
 JOBS = {
     "plain": ["--baseline_only", "--torchrec_plan"],

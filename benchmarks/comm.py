@@ -33,7 +33,7 @@ from pathlib import Path
 from common import example_flags, machine, run_example
 from tqdm import tqdm
 
-from torchrec_lookahead.traffic import EMBEDDING_KINDS
+from torchrec_lookahead.metrics import EMBEDDING_KINDS
 
 SETTINGS = ("torchrec_plan", "torchrec_table_wise", "lookahead", "lookahead_hot")
 JOBS = {  # job -> flags, and the settings its two runs measure (lookahead first)

@@ -1,10 +1,17 @@
-"""Cache counters: what the cache did per table, and what the trainer waited for."""
+"""Counters: what the cache did per table, what the trainer waited for, and the kinds
+of bytes the collectives send (counted by :mod:`~torchrec_lookahead.traffic`; named here,
+without torch, for the reports that only read them)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-__all__ = ["CacheMetrics"]
+__all__ = ["EMBEDDING_KINDS", "KINDS", "CacheMetrics"]
+
+# What the collectives send, by kind (see torchrec_lookahead.traffic), and the embeddings'
+# part of it: everything but the dense layers' gradient all-reduce.
+KINDS = ("ids", "pooled", "gradients", "hot_sync", "other", "data_parallel", "dense")
+EMBEDDING_KINDS = KINDS[:-1]
 
 
 @dataclass

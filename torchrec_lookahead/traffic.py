@@ -33,18 +33,15 @@ import torch
 import torch.distributed as dist
 
 from torchrec_lookahead._compat import data_parallel_parts, in_backward
+from torchrec_lookahead.metrics import EMBEDDING_KINDS, KINDS
 
 __all__ = [
-    "EMBEDDING_KINDS",
-    "KINDS",
     "CollectiveBytes",
     "count_data_parallel",
     "count_sent",
     "label",
 ]
 
-KINDS = ("ids", "pooled", "gradients", "hot_sync", "other", "data_parallel", "dense")
-EMBEDDING_KINDS = KINDS[:-1]  # what the embeddings send (everything but the dense layers')
 _LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("traffic_label", default=None)
 _UNCOUNTED = "uncounted"  # a collective counted already (DDP's, by its hook)
 # torch's own collectives, which the counter's stand-ins call (kept: a thread may still

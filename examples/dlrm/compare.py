@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from torchrec_lookahead.embedding.sharder import ShardedLookaheadEmbeddingBagCollection
-from torchrec_lookahead.traffic import KINDS
+from torchrec_lookahead.metrics import KINDS
 
 __all__ = ["local_tensors", "mean_over_ranks", "replica_metrics", "weights_digest", "weights_gap"]
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from torchrec_lookahead.data.dedup import DedupCounts
-from torchrec_lookahead.traffic import EMBEDDING_KINDS
+from torchrec_lookahead.metrics import EMBEDDING_KINDS
 
 __all__ = ["Run", "agreement", "report"]
 
