@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -133,12 +134,15 @@ def _example_rank(argv: list[str], env: dict[str, str], cwd: str, out: Path, err
 
 
 def _wait(processes: Sequence[Any], timeout: int) -> int:
-    """Wait for every rank; the first that fails ends the others, as torchrun's agent
-    does. Returns the failed rank's exit code (1 for a signal), else 0."""
+    """Wait for every rank, ``timeout`` seconds in all; the first that fails ends the
+    others, as torchrun's agent does. Returns the failed rank's exit code (1 for a
+    signal, 124 for the timeout), else 0."""
     sentinels = {p.sentinel: p for p in processes}
     failed = 0
+    deadline = time.monotonic() + timeout
     while sentinels:
-        ready = multiprocessing.connection.wait(list(sentinels), timeout)
+        left = deadline - time.monotonic()
+        ready = multiprocessing.connection.wait(list(sentinels), left) if left > 0 else []
         if not ready:
             failed = failed or 124
             break
