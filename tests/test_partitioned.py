@@ -79,6 +79,19 @@ def test_one_partition_is_the_unpartitioned_oracle(trace, tie_break) -> None:
     assert np.array_equal(one.flush().evict_ids, bare.flush().evict_ids)
 
 
+def test_one_partition_reports_absent_rows_as_the_unpartitioned_oracle() -> None:
+    """(Its prepared batch is the bare oracle's; ``absent`` used to take it for a
+    partitioned one and fail.)"""
+    one, bare = PartitionedOracle(8, 2, 1, 20, partitions=1), OracleCacher(8, 2, 1, 20)
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        batch = rng.integers(0, 20, 4)
+        mine, theirs = one.prepare(batch), bare.prepare(batch)
+        assert np.array_equal(one.absent(mine), bare.absent(theirs))
+        one.push(mine)
+        bare.push(theirs)
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
