@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -498,6 +499,82 @@ def malformed_worker(rank: int, world_size: int, port: int) -> None:
 def integration_worker(rank: int, world_size: int, port: int, checkpoint_dir: str) -> None:
     _in_process_group(
         rank, world_size, port, lambda: check_integration(rank, world_size, checkpoint_dir)
+    )
+
+
+def check_tracing_beside_the_stage(rank: int, world_size: int, hold: int) -> None:
+    """torch.fx traces a model on another thread (TorchRec's pipelines trace theirs at their
+    first batch) while the stage distributes the batch of step ``hold``: while it traces,
+    torch.fx swaps every module's call, in every thread. Training goes on, exact.
+
+    The trainer makes no call while the trace runs: the swapped call would refuse its
+    modules too (torch.fx's, and every thread's, limit). At ``hold`` 0 the stage makes
+    TorchRec's input dists while the trace runs; later it uses its own.
+    """
+    case = Case("table_wise", "adagrad", lookahead=4, steps=16)
+    batches, (base, base_opt, _) = rank_data_and_baseline(case, rank, world_size)
+    ebc = LookaheadEmbeddingBagCollection(
+        tables=tables(), device=torch.device("meta"), cache_load_factor=case.cache_load_factor
+    )
+    look, look_opt, _ = build(ebc, [LookaheadEmbeddingBagCollectionSharder()], case, world_size)
+    look.load_state_dict(base.state_dict())
+    expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
+
+    asked, go, traced, prepared, done = (threading.Event() for _ in range(5))
+
+    def loader():  # the stage waits at batch ``hold`` until the trace runs
+        for step, batch in enumerate(batches):
+            if step == hold:
+                asked.set()
+                assert traced.wait(60)
+            yield batch
+
+    sharded = look.module.model.sparse_arch.embedding_bag_collection
+    prepare = sharded.prepare
+
+    def spy(features, step, refusal=None):  # the held batch is prepared inside the trace
+        try:
+            return prepare(features, step, refusal)
+        finally:
+            if step == hold:
+                prepared.set()
+                assert done.wait(60)
+
+    sharded.prepare = spy
+
+    class TracedWhileTheStagePrepares(torch.nn.Module):
+        def forward(self, x):
+            traced.set()
+            assert prepared.wait(60), "the stage never prepared the held batch"
+            return x + 1
+
+    def trace() -> None:
+        assert go.wait(60)
+        try:
+            torch.fx.symbolic_trace(TracedWhileTheStagePrepares())
+        finally:
+            done.set()
+
+    tracer = threading.Thread(target=trace)
+    tracer.start()
+    pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=4)
+    it, got = loader(), []
+    if hold == 0:
+        go.set()  # the trainer waits in its first step for the stage's first batch
+    while not asked.is_set():
+        got.append(pipeline.progress(it)[1])
+    go.set()
+    assert done.wait(60)
+    tracer.join()
+    got += train(pipeline, it)
+    assert len(got) == len(expected) == case.steps
+    assert all(torch.equal(a, b) for a, b in zip(expected, got)), "outputs differ"
+    assert_equal_states(base.state_dict(), look.state_dict(), "weights")
+
+
+def tracing_worker(rank: int, world_size: int, port: int, hold: int) -> None:
+    _in_process_group(
+        rank, world_size, port, lambda: check_tracing_beside_the_stage(rank, world_size, hold)
     )
 
 

@@ -12,6 +12,7 @@ from tests.distributed_cases import (
     malformed_worker,
     planned_worker,
     row_wise_deduplicated_worker,
+    tracing_worker,
     worker,
 )
 from tests.launch import free_port, spawn
@@ -120,3 +121,8 @@ def test_replicated_hot_rows_from_a_disk_store_train_like_plain_torchrec() -> No
     ``test_hot_rows.py``)."""
     cases = [Case("row_wise", "rowwise_adagrad", 8, steps=30, stage_thread=True, store_dir=True)]
     spawn(hot_rows_worker, (2, free_port(), cases), nprocs=2)
+
+
+@pytest.mark.parametrize("hold", [0, 10], ids=["first-batch", "later-batch"])
+def test_a_model_traced_while_the_stage_distributes_a_batch_trains_exactly(hold: int) -> None:
+    spawn(tracing_worker, (1, free_port(), hold), nprocs=1)

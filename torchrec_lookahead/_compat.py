@@ -273,10 +273,11 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
         for module in (m for d in dists for m in d.modules()):
             if isinstance(getattr(module, "_pg", None), dist.ProcessGroup):
                 module._pg = pg
+            _called_as_torch_calls(module)
         return dists
 
     def use_input_dists(self, dists: list[torch.nn.Module] | None) -> None:
-        """This thread's input dists from now on (``None``: TorchRec's own)."""
+        """This thread's input dists from now on (``None`` or empty: TorchRec's own)."""
         self._thread_input_dists.set(dists)
 
     @property
@@ -313,6 +314,28 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
 
     def input_dists_created(self) -> None:
         """Called once TorchRec has made its input dists."""
+
+
+_AS_TORCH_CALLS: dict[type, type] = {}
+
+
+def _called_as_torch_calls(module: torch.nn.Module) -> None:
+    """Keep torch's own ``__call__`` for ``module``, whatever another thread traces.
+
+    While torch.fx traces a model it swaps ``nn.Module.__call__`` for a recorder
+    that refuses modules outside that model, in every thread. The stage calls its
+    input dists on its own thread, perhaps while the trainer's thread traces
+    (TorchRec's pipelines trace their model at its first batch); its modules
+    take a subclass that calls them as torch does.
+    """
+    cls = type(module)
+    if cls not in _AS_TORCH_CALLS:
+        _AS_TORCH_CALLS[cls] = type(
+            cls.__name__,
+            (cls,),
+            {"__call__": torch.nn.Module._wrapped_call_impl, "__module__": cls.__module__},
+        )
+    module.__class__ = _AS_TORCH_CALLS[cls]
 
 
 class _ThreadValue:

@@ -218,9 +218,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._bind_stage_input_dists()
 
     def _bind_stage_input_dists(self) -> None:
-        """Input dists like TorchRec's, their collectives on the stage's process group."""
+        """Input dists like TorchRec's, their collectives on the stage's process group; in
+        place, so a first batch whose ``input_dist`` makes TorchRec's uses them at once."""
         if self._stage_pg is not None and self.input_dists_ready:
-            self._stage_input_dists = self.input_dists_on(self._stage_pg)
+            self._stage_input_dists[:] = self.input_dists_on(self._stage_pg)
 
     def attach(self, window: Window) -> None:
         ranks = dist.get_process_group_ranks(self.env.process_group)
@@ -255,7 +256,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         if self._hot is not None:  # the union's exchange starts: a collective, on every rank
             features, hot = self._hot.prepare(features, self._cold_variable_batch, self._stage_pg)
         ctx = self.create_context()
-        self.use_input_dists(self._stage_input_dists or None)  # this thread's: the stage's
+        self.use_input_dists(self._stage_input_dists)  # this thread's: the stage's
         try:
             distributed = self.input_dist(ctx, features).wait().wait()
         finally:
