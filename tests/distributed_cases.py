@@ -42,6 +42,7 @@ from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
 from torchrec_lookahead.determinism import deterministic_cuda
 from torchrec_lookahead.embedding.sharder import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.traffic import CollectiveBytes
 
 OPTIMIZERS = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 SIZES = (6000, 3000, 1500)
@@ -451,9 +452,15 @@ def check_malformed_batches(rank: int, world_size: int) -> None:
     look.load_state_dict(base.state_dict())
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
     refused: list[str] = []
-    got = train(
-        LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8), stream, refused
-    )
+    with CollectiveBytes() as sent:
+        got = train(
+            LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=8),
+            stream,
+            refused,
+        )
+    # One vote per batch, after its collectives, once a batch has passed: the first (refused
+    # before its collectives) and the second (voted on before and after them) vote apart.
+    assert sent.calls["other"] == len(stream) + 1, sent.calls
     assert len(refused) == len(kinds), refused
     for i, (kind, message) in enumerate(zip(kinds, refused)):
         phrase = MALFORMED[kind][1] if i % world_size == rank else "another rank refused"
@@ -669,7 +676,6 @@ def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
     counted and an eval forward: every output, table, optimizer state and dense parameter
     bitwise equal, and the replicas bitwise equal on every rank (more cases in
     ``hot_cases.py``)."""
-    from torchrec_lookahead.traffic import CollectiveBytes
 
     torch.manual_seed(rank)  # fixed initial weights: the rounding differences depend on them
     batches, (base, base_opt, base_plan) = rank_data_and_baseline(case, rank, world_size)

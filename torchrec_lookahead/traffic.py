@@ -9,7 +9,7 @@ adds up what each rank sends to the others, by kind:
 * ``pooled``: float tensors sent in a forward (pooled embeddings to their samples);
 * ``gradients``: float tensors sent in a backward (their gradients back to the owners);
 * ``hot_sync``: what the replicated hot rows exchange (sent under :func:`label`);
-* ``other``: the rest sent under :func:`label` (the vote on a refused batch: 8 bytes);
+* ``other``: the rest sent under :func:`label` (the vote on a batch: 8 bytes);
 * ``data_parallel`` and ``dense``: the gradient all-reduces of a model's
   ``DistributedDataParallel`` parts (TorchRec wraps data-parallel tables in
   their own, DMP the dense layers in one), seen through a DDP comm hook

@@ -91,6 +91,9 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
         self._context: StepContext | None = None  # the step being run, until its forward
+        # The last batch every rank let through this module's vote since ``attach``: a
+        # refused batch's stand-in in the collectives (see ``prepare``).
+        self._stand_in: KeyedJaggedTensor | None = None
         self._feature_rows = {
             f: t.num_embeddings for t in self.embedding_bag_configs() for f in t.feature_names
         }
@@ -231,6 +234,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         for group in self.cached_groups:
             group.attach(window)
         self._context = None
+        self._stand_in = None
         if self._hot is not None:  # collectives: the hot rows' layout agreed, then loaded
             if self._hot_pg is None:
                 self._hot_pg = dist.new_group(ranks=ranks)
@@ -244,32 +248,40 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
 
         ``refusal`` is the stage's verdict on the batch as a whole (its
         structure, see :mod:`~torchrec_lookahead.checks`). It and bad ids are
-        voted on before the collective; a window that does not fit a shard's
-        cache on any rank after it. A batch refused on any rank is refused on
-        every rank, so all ranks drop it together and their collectives stay
-        in step.
+        voted on with a window that does not fit a shard's cache, once per batch,
+        after the collective. A batch refused on any rank is refused on every
+        rank, so all ranks drop it together and their collectives stay in step:
+        a rank that refuses its batch sends the last batch that passed the vote
+        in its place, to be dropped with it. Until one has passed (the same on
+        every rank), the first refusals are voted on before the collective too.
         """
-        self._agree(refusal or self._check_ids(features, step) or self._check_strides(features))
+        error = refusal or self._check_ids(features, step) or self._check_strides(features)
+        if self._stand_in is None or self.env.world_size == 1:
+            self._agree(error)
+        elif error is not None:
+            features = self._stand_in
         start = time.thread_time()
         bound = self._ids_bound(features)
-        hot = None
+        cold, hot = features, None
         if self._hot is not None:  # the union's exchange starts: a collective, on every rank
-            features, hot = self._hot.prepare(features, self._cold_variable_batch, self._stage_pg)
+            cold, hot = self._hot.prepare(features, self._cold_variable_batch, self._stage_pg)
         ctx = self.create_context()
         self.use_input_dists(self._stage_input_dists)  # this thread's: the stage's
         try:
-            distributed = self.input_dist(ctx, features).wait().wait()
+            distributed = self.input_dist(ctx, cold).wait().wait()
         finally:
             self.use_input_dists(None)
         self.input_dist_s += time.thread_time() - start
-        prepared, error = [], None
+        prepared = []
         try:
             for lookup, kjt in zip(self.lookups, distributed):
                 for kernel, part in zip(lookup.kernels, lookup.kernel_features(kjt)):
-                    prepared.append(kernel.cached.prepare(part, step, bound))
+                    if error is None:
+                        prepared.append(kernel.cached.prepare(part, step, bound))
         except ValueError as caught:
             error = caught
         self._agree(error)
+        self._stand_in = features
         return ModuleInput(prepared, (ctx, distributed), hot)
 
     def _ids_bound(self, features: KeyedJaggedTensor) -> dict[str, int] | None:
@@ -322,6 +334,9 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             raise error
 
     def enter(self, prepared: ModuleInput) -> StepPlan | None:
+        if self._hot is not None:
+            assert isinstance(prepared.replicated, HotInput)
+            self._hot.enter(prepared.replicated)
         planned = [g.enter(p) for g, p in zip(self.cached_groups, prepared.groups)]
         return _merge(planned)
 

@@ -165,11 +165,14 @@ class HotRowTier:
         previous batch's is resolved (so its step's backward finds its union ready)."""
         self.resolve()
         cold, split = split_batch(self.layout, features, variable_batch, self.device, self._row_of)
-        self.metrics.lookups += split.ids
-        self.metrics.hot_lookups += len(split.rows)
         hot = HotInput(split, start_union(split, group), self.layout.num_rows)
         self._exchanging = hot
         return cold, hot
+
+    def enter(self, hot: HotInput) -> None:
+        """A batch entered the window (every rank let it through): its lookups count."""
+        self.metrics.lookups += hot.split.ids
+        self.metrics.hot_lookups += len(hot.split.rows)
 
     def resolve(self) -> None:
         """Resolve the union of the stage's last batch, if still exchanging (the end of
