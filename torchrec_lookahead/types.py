@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torchrec.distributed.embedding_types import KJTList
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    from torchrec.streamable import Pipelineable
 
     from torchrec_lookahead.metrics import CacheMetrics
 
@@ -190,7 +191,7 @@ class PreparedGroup:
     order: torch.Tensor | None
     # A window's first batch: the slots per table sized for it and the pools' planners,
     # installed when the batch enters (a refused batch leaves the sizing as it was).
-    sizing: tuple[list[int], list[CachePlanner[Any]]] | None = None
+    sizing: tuple[list[int], list[CachePlanner[PreparedIds]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ class StepContext:
     modules while its step runs, whose lookups take their slots from it."""
 
     step: int
-    batch: Any  # what the data loader yields (``batch.sparse_features``: the ids)
+    batch: Pipelineable  # what the data loader yields (``batch.sparse_features``: the ids)
     inputs: dict[LookaheadModule, ModuleInput] = field(default_factory=dict)
     plan: StepPlan | None = None  # filled once batch ``step + L`` has entered
     # An event after the stage's device work on the batch and, once planned, on its plan (the
