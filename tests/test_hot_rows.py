@@ -104,13 +104,15 @@ def _count(rank: int, port: int) -> None:
             )
             rows = torch.ones(4, 16)
             dist.all_to_all_single(torch.empty(4, 16), rows)
-            with label("hot_sync"):
+            with torch.profiler.profile() as profile, label("hot_sync"):
                 dist.all_reduce(torch.ones(10))
             held = dist.all_reduce  # as a thread entering a collective while the counter closes
         sent_ids = 5 * 8 if rank == 0 else 2 * 8  # all but its own part
         assert sent.bytes["ids"] == sent_ids, sent.bytes
         assert sent.bytes["pooled"] == 2 * 16 * 4, sent.bytes
         assert sent.bytes["hot_sync"] == 40, sent.bytes  # ring: 2 (W - 1) / W of 40 bytes
+        names = [event.name for event in profile.events()]
+        assert "## lookahead:hot_sync ##" in names, names  # named in a profile, as TorchRec's
         dist.all_reduce(torch.ones(3))  # not counted once the counter has closed
         held(torch.ones(3))  # still torch's all-reduce, not counted
         assert dist.all_reduce is not held

@@ -60,7 +60,14 @@ _TORCH: dict[str, Callable[..., Any]] = {
 
 @contextlib.contextmanager
 def label(kind: str) -> Iterator[None]:
-    """Count the collectives called inside as ``kind``."""
+    """Count the collectives called inside as ``kind``, and name them so in a profile
+    (``## lookahead:<kind> ##``, as TorchRec's comm ops name theirs)."""
+    with _counted_as(kind), torch.profiler.record_function(f"## lookahead:{kind} ##"):
+        yield
+
+
+@contextlib.contextmanager
+def _counted_as(kind: str) -> Iterator[None]:
     token = _LABEL.set(kind)
     try:
         yield
@@ -195,7 +202,7 @@ def count_data_parallel(model: torch.nn.Module) -> None:
             if counter is not None:
                 world = _world(group)
                 counter.count(kind, 2 * (world - 1) * _nbytes(bucket.buffer()) // world)
-            with label(_UNCOUNTED):
+            with _counted_as(_UNCOUNTED):
                 return allreduce_hook(group, bucket)
 
         ddp.register_comm_hook(ddp.process_group, hook)
