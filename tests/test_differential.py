@@ -66,10 +66,33 @@ FOUND = [
         events=((3, "resume"), (5, "refuse")),
         stage_thread=False,
     ),
+    # Deduplicated batches into row-wise shards over gloo were refused at one rank too,
+    # where plain TorchRec trains them (its reduce-scatter has one part there).
+    Config(
+        seed=7177,
+        index=72,
+        world_size=1,
+        tables=(T("t0", 20, 4, ("f0",), "table_row_wise", "rowwise_adagrad", 0.02, False),),
+        pooling="sum",
+        weighted=False,
+        batch=32,
+        steps=22,
+        cache_load_factor=0.0778,
+        lookahead=8,
+        prefetch_distance=1,
+        hot="off",
+        dedup=True,
+        disk_store=False,
+        schedule="none",
+        events=(),
+        stage_thread=False,
+    ),
 ]
 
 
-@pytest.mark.parametrize("config", FOUND, ids=["hot-rows-cache-floor", "resume-at-4-ranks"])
+@pytest.mark.parametrize(
+    "config", FOUND, ids=["hot-rows-cache-floor", "resume-at-4-ranks", "dedup-row-wise-one-rank"]
+)
 def test_configurations_the_harness_found_diverging_now_agree(config: Config) -> None:
     result = _run_group(config.world_size, [config])[config.index]
     assert result.get("divergence") is None and not result.get("error"), result

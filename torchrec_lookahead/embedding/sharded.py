@@ -82,8 +82,11 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._stage_input_dists: list[torch.nn.Module] = []
         super().__init__(module=module, **kwargs)
         row_wise = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value}
+        # Row-wise shards' outputs of a deduplicated batch need a reduce-scatter of uneven
+        # parts, which gloo lacks; at one rank there is one part.
         self._row_wise_on_gloo = bool(
             row_wise & set(self.sharding_type_to_sharding_infos)
+            and self.env.world_size > 1
             and dist.is_initialized()
             and dist.get_backend(self.env.process_group) == "gloo"
         )

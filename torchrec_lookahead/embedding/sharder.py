@@ -46,9 +46,10 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     gives a lookahead model the plan it gives plain TorchRec, and the same
     results. TorchRec shards row-wise only on CUDA (from when gloo had no
     reduce-scatter); ``cpu_row_wise=True`` offers row-wise and table-row-wise on
-    the CPU too, exact against TorchRec's own row-wise path. Over gloo a
-    deduplicated batch cannot reach row-wise shards (their outputs would need a
-    reduce-scatter of uneven parts, which gloo lacks): it is refused.
+    the CPU too, exact against TorchRec's own row-wise path. Over gloo at two
+    ranks or more a deduplicated batch cannot reach row-wise shards (their
+    outputs would need a reduce-scatter of uneven parts, which gloo lacks): it
+    is refused.
     """
 
     def __init__(
