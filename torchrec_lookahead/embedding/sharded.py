@@ -82,14 +82,14 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         self._stage_input_dists: list[torch.nn.Module] = []
         super().__init__(module=module, **kwargs)
         row_wise = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value}
-        # Row-wise shards' outputs of a deduplicated batch need a reduce-scatter of uneven
-        # parts, which gloo lacks; at one rank there is one part.
         self._row_wise_on_gloo = bool(
             row_wise & set(self.sharding_type_to_sharding_infos)
-            and self.env.world_size > 1
             and dist.is_initialized()
             and dist.get_backend(self.env.process_group) == "gloo"
         )
+        # Row-wise shards' outputs of a deduplicated batch need a reduce-scatter of uneven
+        # parts, which gloo lacks: refused from two ranks up (at one rank there is one part).
+        self._refuse_variable_batch = self._row_wise_on_gloo and self.env.world_size > 1
         # Collectives take tensors of the device the sharded module computes on (NCCL: CUDA).
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
@@ -321,7 +321,7 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
                 "replicated hot rows; send plain batches, or build the "
                 "collection without hot_rows"
             )
-        if self._row_wise_on_gloo and features.variable_stride_per_key():
+        if self._refuse_variable_batch and features.variable_stride_per_key():
             return ValueError(
                 "a deduplicated (variable-batch) batch cannot reach row-wise shards over gloo: "
                 "their outputs need a reduce-scatter of uneven parts, which gloo lacks; shard "
