@@ -231,9 +231,12 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
 
     def attach(self, window: Window) -> None:
         ranks = dist.get_process_group_ranks(self.env.process_group)
-        if self._stage_pg is None:  # a collective: every rank attaches in the same order
-            self._stage_pg = dist.new_group(ranks=ranks)
-            self._bind_stage_input_dists()
+        # A fresh group at every attach (a collective: every rank attaches in the same
+        # order): a pipeline closed mid-stream may leave one rank's stage thread inside a
+        # batch's collectives that the other ranks' threads never joined; on a group of its
+        # own it cannot meet the next pipeline's collectives.
+        self._stage_pg = dist.new_group(ranks=ranks)
+        self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.attach(window)
         self._context = None
