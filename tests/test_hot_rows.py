@@ -8,6 +8,7 @@ example at two ranks (``test_dlrm_example.py``).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -95,6 +96,7 @@ def _count(rank: int, port: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    functions = {name: getattr(dist, name) for name in dir(dist)}
     try:
         with CollectiveBytes() as sent:
             ids = torch.arange(8, dtype=torch.int64)
@@ -106,17 +108,31 @@ def _count(rank: int, port: int) -> None:
             dist.all_to_all_single(torch.empty(4, 16), rows)
             with torch.profiler.profile() as profile, label("hot_sync"):
                 dist.all_reduce(torch.ones(10))
-            held = dist.all_reduce  # as a thread entering a collective while the counter closes
+            with label("other"):  # a send counts what it sends; a receive nothing
+                if rank == 0:
+                    dist.send(torch.ones(3), dst=1)
+                else:
+                    dist.recv(torch.empty(3), src=0)
+            # Any thread's collectives count: a broadcast of ids from rank 0.
+            other = threading.Thread(target=dist.broadcast, args=(torch.ones(2).long(), 0))
+            other.start()
+            other.join()
+        assert {name: getattr(dist, name) for name in dir(dist)} == functions, "torch's own"
         sent_ids = 5 * 8 if rank == 0 else 2 * 8  # all but its own part
-        assert sent.bytes["ids"] == sent_ids, sent.bytes
+        broadcast = 2 * 8 if rank == 0 else 0
+        assert sent.bytes["ids"] == sent_ids + broadcast, sent.bytes
         assert sent.bytes["pooled"] == 2 * 16 * 4, sent.bytes
         assert sent.bytes["hot_sync"] == 40, sent.bytes  # ring: 2 (W - 1) / W of 40 bytes
+        assert sent.bytes["other"] == (12 if rank == 0 else 0), sent.bytes
         names = [event.name for event in profile.events()]
         assert "## lookahead:hot_sync ##" in names, names  # named in a profile, as TorchRec's
+        counted = dict(sent.bytes)
         dist.all_reduce(torch.ones(3))  # not counted once the counter has closed
-        held(torch.ones(3))  # still torch's all-reduce, not counted
-        assert dist.all_reduce is not held
-        assert sent.embedding_total == sent_ids + 128 + 40
+        assert sent.bytes == counted
+        assert sent.embedding_total == sent_ids + broadcast + 128 + 40 + counted["other"]
+        with CollectiveBytes() as again:  # a second counter counts afresh
+            dist.all_reduce(torch.ones(4))
+        assert again.bytes["pooled"] == 16 and sent.bytes == counted, again.bytes
     finally:
         dist.destroy_process_group()
 

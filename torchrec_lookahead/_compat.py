@@ -63,6 +63,7 @@ __all__ = [
     "fake_store",
     "in_backward_optimizers",
     "is_fake",
+    "observe_collectives",
     "op_schema",
     "real_tensors",
     "sharded_tensor_from_shards",
@@ -422,6 +423,37 @@ def data_parallel_parts(model: torch.nn.Module) -> list[tuple[Any, str]]:
         if isinstance(module, DistributedDataParallel):
             found.append((module, "dense"))
     return found
+
+
+_OBSERVERS: list[torch.library.Library] = []  # registrations live as long as the process
+
+
+def observe_collectives(
+    names: Sequence[str], observer: Callable[[str, tuple[Any, ...]], None]
+) -> None:
+    """Call ``observer(name, args)`` on the calling thread before every call of the c10d
+    operators ``names`` (``"allreduce_"``, ``"send"``, ...), whoever calls them:
+    ``torch.distributed``'s functions, a process group's methods, DDP's reducer.
+
+    It is a kernel of the ``Autograd`` key (``torch.library``; c10d registers none
+    there), which calls the observer and then the operator's kernels below autograd:
+    ``torch.distributed`` stays as it is, and only these operators pass through Python,
+    not every operator of a thread (as a dispatch mode would). The keyset below
+    autograd is private to torch. A registration lasts as long as the process
+    (removing one while another thread dispatches is not safe), so call this once per
+    operator. Collectives of inference tensors skip autograd keys and are not seen.
+    """
+    library = torch.library.Library("c10d", "IMPL")
+    below_autograd = torch._C._after_autograd_keyset
+    for name in names:
+        op = getattr(torch.ops.c10d, name).default
+
+        def kernel(keyset: Any, *args: Any, _op: Any = op, _name: str = name) -> Any:
+            observer(_name, args)
+            return _op.redispatch(keyset & below_autograd, *args)
+
+        library.impl(name, kernel, "Autograd", with_keyset=True)
+    _OBSERVERS.append(library)
 
 
 def in_backward() -> bool:

@@ -1,9 +1,9 @@
-"""Bytes the embedding collectives send, counted where ``torch.distributed`` sends them.
+"""Bytes the embedding collectives send, counted where c10d runs them.
 
-:class:`CollectiveBytes` wraps the collectives TorchRec's and this project's
-embedding modules call (``all_to_all_single``, ``all_reduce``, ``broadcast``,
-``all_gather_into_tensor``, ``reduce_scatter_tensor``) while it is active, and
-adds up what each rank sends to the others, by kind:
+While a :class:`CollectiveBytes` is active, every rank adds up what it sends
+to the others through c10d's collectives (``alltoall_base_``, ``allreduce_``,
+``broadcast_``, ``_allgather_base_``, ``_reduce_scatter_base_``) and
+point-to-point sends (``send``), by kind:
 
 * ``ids``: integer tensors (ids, lengths, splits: the input all-to-all);
 * ``pooled``: float tensors sent in a forward (pooled embeddings to their samples);
@@ -12,13 +12,17 @@ adds up what each rank sends to the others, by kind:
 * ``other``: the rest sent under :func:`label` (the vote on a batch: 8 bytes);
 * ``data_parallel`` and ``dense``: the gradient all-reduces of a model's
   ``DistributedDataParallel`` parts (TorchRec wraps data-parallel tables in
-  their own, DMP the dense layers in one), seen through a DDP comm hook
+  their own, DMP the dense layers in one), named by a DDP comm hook
   (:func:`count_data_parallel`).
 
-What a rank sends: an all-to-all, its input less its own part; a ring
-all-reduce, ``2 (W - 1) / W`` of the tensor; a broadcast from it, the tensor
-to each other rank; a ring all-gather or reduce-scatter, ``(W - 1) / W`` of
-the whole.
+The operators are observed at c10d's dispatch
+(:func:`~torchrec_lookahead._compat.observe_collectives`), so
+``torch.distributed``'s functions stay torch's own, and whatever thread calls
+them (the stage's, the hot rows' reducer, DDP's) is seen alike. What a rank
+sends: an all-to-all, its input less its own part; a ring all-reduce,
+``2 (W - 1) / W`` of the tensor; a broadcast from it, the tensor to each other
+rank; a ring all-gather or reduce-scatter, ``(W - 1) / W`` of the whole; a
+send, the tensor.
 """
 
 from __future__ import annotations
@@ -32,30 +36,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchrec_lookahead._compat import data_parallel_parts, in_backward
+from torchrec_lookahead._compat import data_parallel_parts, in_backward, observe_collectives
 from torchrec_lookahead.metrics import EMBEDDING_KINDS, KINDS
 
-__all__ = [
-    "CollectiveBytes",
-    "count_data_parallel",
-    "count_sent",
-    "label",
-]
+__all__ = ["CollectiveBytes", "count_data_parallel", "label"]
 
 _LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("traffic_label", default=None)
-_UNCOUNTED = "uncounted"  # a collective counted already (DDP's, by its hook)
-# torch's own collectives, which the counter's stand-ins call (kept: a thread may still
-# hold a stand-in after the counter closed).
-_TORCH: dict[str, Callable[..., Any]] = {
-    name: getattr(dist, name)
-    for name in (
-        "all_to_all_single",
-        "all_reduce",
-        "broadcast",
-        "all_gather_into_tensor",
-        "reduce_scatter_tensor",
-    )
-}
 
 
 @contextlib.contextmanager
@@ -75,31 +61,77 @@ def _counted_as(kind: str) -> Iterator[None]:
         _LABEL.reset(token)
 
 
-def count_sent(kind: str, tensor: torch.Tensor) -> None:
-    """Count ``tensor`` as sent to one other rank (a point-to-point send), as ``kind``."""
-    counter = CollectiveBytes.active()
-    if counter is not None:
-        counter.count(kind, _nbytes(tensor))
-
-
-def _world(group: Any) -> int:
-    return dist.get_world_size(group)
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _group(script_object: Any) -> dist.ProcessGroup:
+    return dist.ProcessGroup.unbox(script_object)
+
+
+def _all_to_all(
+    output: torch.Tensor, input: torch.Tensor, group: Any, _: Any, splits: Any, *__: Any
+) -> tuple[torch.Tensor, int]:  # noqa: A002
+    pg = _group(group)
+    rows = input.shape[0] if input.dim() else 0
+    per_row = _nbytes(input) // rows if rows else 0
+    own = (splits[pg.rank()] if splits else rows // pg.size()) * per_row
+    return input, _nbytes(input) - own
+
+
+def _all_reduce(tensors: list[torch.Tensor], group: Any, *_: Any) -> tuple[torch.Tensor, int]:
+    world = _group(group).size()
+    return tensors[0], sum(2 * (world - 1) * _nbytes(t) // world for t in tensors)
+
+
+def _broadcast(
+    tensors: list[torch.Tensor], group: Any, root: int, *_: Any
+) -> tuple[torch.Tensor, int]:
+    pg = _group(group)
+    sending = pg.rank() == root
+    return tensors[0], sum((pg.size() - 1) * _nbytes(t) for t in tensors) if sending else 0
+
+
+def _all_gather(
+    output: torch.Tensor, input: torch.Tensor, group: Any, *_: Any
+) -> tuple[torch.Tensor, int]:  # noqa: A002
+    return input, (_group(group).size() - 1) * _nbytes(input)
+
+
+def _reduce_scatter(
+    output: torch.Tensor, input: torch.Tensor, group: Any, *_: Any
+) -> tuple[torch.Tensor, int]:  # noqa: A002
+    world = _group(group).size()
+    return input, (world - 1) * _nbytes(input) // world
+
+
+def _send(tensors: list[torch.Tensor], *_: Any) -> tuple[torch.Tensor, int]:
+    return tensors[0], sum(_nbytes(t) for t in tensors)
+
+
+# Per observed c10d operator: its main tensor and the bytes this rank sends, from its
+# arguments (schemas as in torch 2.13 and 2.14).
+_SENT: dict[str, Callable[..., tuple[torch.Tensor, int]]] = {
+    "alltoall_base_": _all_to_all,
+    "allreduce_": _all_reduce,
+    "broadcast_": _broadcast,
+    "_allgather_base_": _all_gather,
+    "_reduce_scatter_base_": _reduce_scatter,
+    "send": _send,
+}
+
+
 class CollectiveBytes:
-    """Bytes this rank sends through ``torch.distributed`` collectives, by kind.
+    """Bytes this rank sends through c10d's collectives and sends, by kind.
 
     Use as a context manager around everything to count, on every thread (one at
     a time per process); ``bytes`` holds the totals by kind, ``calls`` the
-    collectives counted. A collective another thread is entering as the counter
-    closes still runs (through torch's own function), uncounted.
+    operators counted. The first one registers the observer of c10d's operators
+    for the process's lifetime; while none is active it counts nothing.
     """
 
     _active: CollectiveBytes | None = None
+    _observing = False
     _lock = threading.Lock()
 
     def __init__(self) -> None:
@@ -111,17 +143,6 @@ class CollectiveBytes:
         """Everything the embeddings sent (the dense layers' all-reduce left out)."""
         return sum(self.bytes[kind] for kind in EMBEDDING_KINDS)
 
-    def _add(self, tensor: torch.Tensor, sent: int) -> None:
-        kind = _LABEL.get()
-        if kind == _UNCOUNTED or CollectiveBytes._active is not self:
-            return
-        if kind is None:
-            if not tensor.is_floating_point():
-                kind = "ids"
-            else:  # a float tensor sent while autograd runs a backward node is a gradient
-                kind = "gradients" if in_backward() else "pooled"
-        self.count(kind, sent)
-
     def count(self, kind: str, sent: int) -> None:
         with self._lock:
             self.bytes[kind] += sent
@@ -132,77 +153,48 @@ class CollectiveBytes:
         """The counter counting now, if any."""
         return cls._active
 
-    def _all_to_all_single(
-        self,
-        output,
-        input,
-        output_split_sizes=None,
-        input_split_sizes=None,  # noqa: ANN001
-        group=None,
-        **kwargs,
-    ):
-        world, rank = _world(group), dist.get_rank(group)
-        rows = input.shape[0] if input.dim() else 0
-        per_row = _nbytes(input) // rows if rows else 0
-        own = (input_split_sizes[rank] if input_split_sizes else rows // world) * per_row
-        self._add(input, _nbytes(input) - own)
-        return _TORCH["all_to_all_single"](
-            output, input, output_split_sizes, input_split_sizes, group, **kwargs
-        )
-
-    def _all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, **kwargs):  # noqa: ANN001
-        world = _world(group)
-        self._add(tensor, 2 * (world - 1) * _nbytes(tensor) // world)
-        return _TORCH["all_reduce"](tensor, op, group, **kwargs)
-
-    def _broadcast(self, tensor, src=None, group=None, **kwargs):  # noqa: ANN001
-        world = _world(group)
-        sending = dist.get_rank() == src
-        self._add(tensor, (world - 1) * _nbytes(tensor) if sending else 0)
-        return _TORCH["broadcast"](tensor, src, group, **kwargs)
-
-    def _all_gather_into_tensor(self, output, input, group=None, **kwargs):  # noqa: ANN001
-        self._add(input, (_world(group) - 1) * _nbytes(input))
-        return _TORCH["all_gather_into_tensor"](output, input, group, **kwargs)
-
-    def _reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, **kwargs):  # noqa: ANN001
-        world = _world(group)
-        self._add(input, (world - 1) * _nbytes(input) // world)
-        return _TORCH["reduce_scatter_tensor"](output, input, op, group, **kwargs)
-
     def __enter__(self) -> CollectiveBytes:
         with CollectiveBytes._lock:
             if CollectiveBytes._active is not None:
                 raise RuntimeError("collectives are being counted already")
+            if not CollectiveBytes._observing:
+                observe_collectives(list(_SENT), _observe)
+                CollectiveBytes._observing = True
             CollectiveBytes._active = self
-        for name in _TORCH:
-            setattr(dist, name, getattr(self, f"_{name}"))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name, original in _TORCH.items():
-            setattr(dist, name, original)
         with CollectiveBytes._lock:
             CollectiveBytes._active = None
 
 
+def _observe(op: str, args: tuple[Any, ...]) -> None:
+    """Count one c10d operator's bytes in the active counter (called before it runs)."""
+    counter = CollectiveBytes._active
+    if counter is None:
+        return
+    tensor, sent = _SENT[op](*args)
+    kind = _LABEL.get()
+    if kind is None:
+        if not tensor.is_floating_point():
+            kind = "ids"
+        else:  # a float tensor sent while autograd runs a backward node is a gradient
+            kind = "gradients" if in_backward() else "pooled"
+    counter.count(kind, sent)
+
+
 def count_data_parallel(model: torch.nn.Module) -> None:
-    """Count the gradient all-reduces of ``model``'s ``DistributedDataParallel`` parts
-    whenever a :class:`CollectiveBytes` is active: ``dense`` for DMP's (the dense
-    layers), ``data_parallel`` for those TorchRec wraps data-parallel tables in.
-    Installs DDP's own all-reduce hook on each (gradients divided by the world size,
-    then summed)."""
+    """Name the gradient all-reduces of ``model``'s ``DistributedDataParallel`` parts for
+    :class:`CollectiveBytes`: ``dense`` for DMP's (the dense layers), ``data_parallel``
+    for those TorchRec wraps data-parallel tables in. Installs DDP's own all-reduce hook
+    on each (gradients divided by the world size, then summed) under that name."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     for ddp, kind in data_parallel_parts(model):
 
         def hook(group, bucket, kind=kind):  # noqa: ANN001, ANN202
             # (no annotations: DDP checks them, and this module's are strings)
-            counter = CollectiveBytes.active()
-            if counter is not None:
-                world = _world(group)
-                counter.count(kind, 2 * (world - 1) * _nbytes(bucket.buffer()) // world)
-            with _counted_as(_UNCOUNTED):
+            with _counted_as(kind):
                 return allreduce_hook(group, bucket)
 
         ddp.register_comm_hook(ddp.process_group, hook)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from numba import njit
 
 from torchrec_lookahead.embedding.hot.split import HotSplit
-from torchrec_lookahead.traffic import count_sent, label
+from torchrec_lookahead.traffic import label
 
 __all__ = ["Union", "ordered_sum", "start_union", "union_of"]
 
@@ -144,8 +144,8 @@ def ordered_sum(
             torch.where(torch.isnan(carried), known, carried, out=carried)
         add_in_order(sums, positions, gradients)
         if world > 1 and (rank, k) != (world - 1, len(rounds) - 1):
-            dist.send(message, dst=peer(rank + 1), group=group)
-            count_sent("hot_sync", message)
+            with label("hot_sync"):
+                dist.send(message, dst=peer(rank + 1), group=group)
     if world > 1:
         with label("hot_sync"):
             dist.broadcast(message, src=peer(world - 1), group=group)
