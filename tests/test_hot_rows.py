@@ -96,7 +96,8 @@ def _count(rank: int, port: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    functions = {name: getattr(dist, name) for name in dir(dist)}
+    collectives = ("all_to_all_single", "all_reduce", "broadcast", "send", "recv")
+    functions = {name: getattr(dist, name) for name in collectives}
     try:
         with CollectiveBytes() as sent:
             ids = torch.arange(8, dtype=torch.int64)
@@ -113,26 +114,32 @@ def _count(rank: int, port: int) -> None:
                     dist.send(torch.ones(3), dst=1)
                 else:
                     dist.recv(torch.empty(3), src=0)
-            # Any thread's collectives count: a broadcast of ids from rank 0.
-            other = threading.Thread(target=dist.broadcast, args=(torch.ones(2).long(), 0))
+                dist.broadcast(torch.ones(5), src=1)  # from rank 1: 20 bytes to rank 0
+            dist.broadcast(torch.ones(7), src=0)  # unlabelled: bookkeeping, not counted
+            # Any thread's collectives count: an all-to-all of 2 ids to the other rank.
+            other = threading.Thread(
+                target=dist.all_to_all_single, args=(torch.empty(4).long(), torch.ones(4).long())
+            )
             other.start()
             other.join()
-        assert {name: getattr(dist, name) for name in dir(dist)} == functions, "torch's own"
+        assert {name: getattr(dist, name) for name in collectives} == functions, "torch's own"
         sent_ids = 5 * 8 if rank == 0 else 2 * 8  # all but its own part
-        broadcast = 2 * 8 if rank == 0 else 0
-        assert sent.bytes["ids"] == sent_ids + broadcast, sent.bytes
+        assert sent.bytes["ids"] == sent_ids + 2 * 8, sent.bytes
         assert sent.bytes["pooled"] == 2 * 16 * 4, sent.bytes
         assert sent.bytes["hot_sync"] == 40, sent.bytes  # ring: 2 (W - 1) / W of 40 bytes
-        assert sent.bytes["other"] == (12 if rank == 0 else 0), sent.bytes
+        assert sent.bytes["other"] == (12 if rank == 0 else 20), sent.bytes
         names = [event.name for event in profile.events()]
         assert "## lookahead:hot_sync ##" in names, names  # named in a profile, as TorchRec's
         counted = dict(sent.bytes)
-        dist.all_reduce(torch.ones(3))  # not counted once the counter has closed
+        dist.all_to_all_single(torch.empty(4), torch.ones(4))  # the counter has closed
         assert sent.bytes == counted
-        assert sent.embedding_total == sent_ids + broadcast + 128 + 40 + counted["other"]
+        assert sent.embedding_total == sent_ids + 16 + 128 + 40 + counted["other"]
         with CollectiveBytes() as again:  # a second counter counts afresh
-            dist.all_reduce(torch.ones(4))
-        assert again.bytes["pooled"] == 16 and sent.bytes == counted, again.bytes
+            dist.all_to_all_single(torch.empty(4), torch.ones(4))
+            with pytest.raises(ValueError, match="unknown kind"):
+                with label("hot sync"):
+                    pass
+        assert again.bytes["pooled"] == 8 and sent.bytes == counted, again.bytes
     finally:
         dist.destroy_process_group()
 

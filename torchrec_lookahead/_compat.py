@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -432,24 +433,35 @@ def observe_collectives(
     names: Sequence[str], observer: Callable[[str, tuple[Any, ...]], None]
 ) -> None:
     """Call ``observer(name, args)`` on the calling thread before every call of the c10d
-    operators ``names`` (``"allreduce_"``, ``"send"``, ...), whoever calls them:
-    ``torch.distributed``'s functions, a process group's methods, DDP's reducer.
+    operators ``names`` (``"allreduce_"``, ``"send"``, ...) made through the dispatcher
+    with autograd on: ``torch.distributed``'s functions, a process group's methods,
+    DDP's reducer (not functional collectives, which run below autograd, nor calls made
+    under ``torch.inference_mode``).
 
     It is a kernel of the ``Autograd`` key (``torch.library``; c10d registers none
     there), which calls the observer and then the operator's kernels below autograd:
     ``torch.distributed`` stays as it is, and only these operators pass through Python,
     not every operator of a thread (as a dispatch mode would). The keyset below
-    autograd is private to torch. A registration lasts as long as the process
-    (removing one while another thread dispatches is not safe), so call this once per
-    operator. Collectives of inference tensors skip autograd keys and are not seen.
+    autograd is private to torch. An error in the observer is warned about once and
+    the collective still runs (a rank that skipped one would hang the others).
+    Register before other threads issue collectives: the dispatcher's table is not
+    safe to change while another thread dispatches. The registration lasts until the
+    interpreter exits, so call this once per operator.
     """
     library = torch.library.Library("c10d", "IMPL")
     below_autograd = torch._C._after_autograd_keyset
+    failed: list[BaseException] = []
+
     for name in names:
         op = getattr(torch.ops.c10d, name).default
 
         def kernel(keyset: Any, *args: Any, _op: Any = op, _name: str = name) -> Any:
-            observer(_name, args)
+            try:
+                observer(_name, args)
+            except Exception as error:
+                if not failed:
+                    failed.append(error)
+                    warnings.warn(f"observing c10d's {_name} failed: {error!r}", stacklevel=2)
             return _op.redispatch(keyset & below_autograd, *args)
 
         library.impl(name, kernel, "Autograd", with_keyset=True)

@@ -1,13 +1,14 @@
 """Bytes the embedding collectives send, counted where c10d runs them.
 
 While a :class:`CollectiveBytes` is active, every rank adds up what it sends
-to the others through c10d's collectives (``alltoall_base_``, ``allreduce_``,
-``broadcast_``, ``_allgather_base_``, ``_reduce_scatter_base_``) and
-point-to-point sends (``send``), by kind:
+to the others through c10d, by kind:
 
-* ``ids``: integer tensors (ids, lengths, splits: the input all-to-all);
-* ``pooled``: float tensors sent in a forward (pooled embeddings to their samples);
-* ``gradients``: float tensors sent in a backward (their gradients back to the owners);
+* ``ids``: integer tensors of the embeddings' all-to-alls (ids, lengths,
+  splits: the input all-to-all);
+* ``pooled``: float tensors they send in a forward (pooled embeddings to their
+  samples: all-to-all, all-gather, reduce-scatter);
+* ``gradients``: float tensors they send in a backward (gradients back to the
+  owners);
 * ``hot_sync``: what the replicated hot rows exchange (sent under :func:`label`);
 * ``other``: the rest sent under :func:`label` (the vote on a batch: 8 bytes);
 * ``data_parallel`` and ``dense``: the gradient all-reduces of a model's
@@ -15,11 +16,14 @@ point-to-point sends (``send``), by kind:
   their own, DMP the dense layers in one), named by a DDP comm hook
   (:func:`count_data_parallel`).
 
+An all-reduce, broadcast or send outside :func:`label` is bookkeeping, not an
+embedding's data (DDP's own, a checkpoint's metadata), and is not counted.
+
 The operators are observed at c10d's dispatch
 (:func:`~torchrec_lookahead._compat.observe_collectives`), so
-``torch.distributed``'s functions stay torch's own, and whatever thread calls
-them (the stage's, the hot rows' reducer, DDP's) is seen alike. What a rank
-sends: an all-to-all, its input less its own part; a ring all-reduce,
+``torch.distributed``'s functions stay torch's own, and every thread that
+calls them (the stage's, the hot rows' reducer, DDP's) is seen alike. What a
+rank sends: an all-to-all, its input less its own part; a ring all-reduce,
 ``2 (W - 1) / W`` of the tensor; a broadcast from it, the tensor to each other
 rank; a ring all-gather or reduce-scatter, ``(W - 1) / W`` of the whole; a
 send, the tensor.
@@ -54,6 +58,8 @@ def label(kind: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _counted_as(kind: str) -> Iterator[None]:
+    if kind not in KINDS:  # here, not inside the collective, which must never fail
+        raise ValueError(f"unknown kind of traffic {kind!r}: one of {KINDS}")
     token = _LABEL.set(kind)
     try:
         yield
@@ -70,39 +76,46 @@ def _group(script_object: Any) -> dist.ProcessGroup:
 
 
 def _all_to_all(
-    output: torch.Tensor, input: torch.Tensor, group: Any, _: Any, splits: Any, *__: Any
-) -> tuple[torch.Tensor, int]:  # noqa: A002
-    pg = _group(group)
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002 (the schema's names)
+    process_group: Any,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    *_: Any,
+) -> tuple[torch.Tensor, int]:
+    group = _group(process_group)
     rows = input.shape[0] if input.dim() else 0
     per_row = _nbytes(input) // rows if rows else 0
-    own = (splits[pg.rank()] if splits else rows // pg.size()) * per_row
+    own = (input_split_sizes[group.rank()] if input_split_sizes else rows // group.size()) * per_row
     return input, _nbytes(input) - own
 
 
-def _all_reduce(tensors: list[torch.Tensor], group: Any, *_: Any) -> tuple[torch.Tensor, int]:
-    world = _group(group).size()
+def _all_reduce(
+    tensors: list[torch.Tensor], process_group: Any, *_: Any
+) -> tuple[torch.Tensor, int]:
+    world = _group(process_group).size()
     return tensors[0], sum(2 * (world - 1) * _nbytes(t) // world for t in tensors)
 
 
 def _broadcast(
-    tensors: list[torch.Tensor], group: Any, root: int, *_: Any
+    tensors: list[torch.Tensor], process_group: Any, root_rank: int, *_: Any
 ) -> tuple[torch.Tensor, int]:
-    pg = _group(group)
-    sending = pg.rank() == root
-    return tensors[0], sum((pg.size() - 1) * _nbytes(t) for t in tensors) if sending else 0
+    group = _group(process_group)
+    sending = group.rank() == root_rank
+    return tensors[0], sum((group.size() - 1) * _nbytes(t) for t in tensors) if sending else 0
 
 
 def _all_gather(
-    output: torch.Tensor, input: torch.Tensor, group: Any, *_: Any
-) -> tuple[torch.Tensor, int]:  # noqa: A002
-    return input, (_group(group).size() - 1) * _nbytes(input)
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, process_group: Any, *_: Any
+) -> tuple[torch.Tensor, int]:
+    return input_tensor, (_group(process_group).size() - 1) * _nbytes(input_tensor)
 
 
 def _reduce_scatter(
-    output: torch.Tensor, input: torch.Tensor, group: Any, *_: Any
-) -> tuple[torch.Tensor, int]:  # noqa: A002
-    world = _group(group).size()
-    return input, (world - 1) * _nbytes(input) // world
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, process_group: Any, *_: Any
+) -> tuple[torch.Tensor, int]:
+    world = _group(process_group).size()
+    return input_tensor, (world - 1) * _nbytes(input_tensor) // world
 
 
 def _send(tensors: list[torch.Tensor], *_: Any) -> tuple[torch.Tensor, int]:
@@ -119,6 +132,7 @@ _SENT: dict[str, Callable[..., tuple[torch.Tensor, int]]] = {
     "_reduce_scatter_base_": _reduce_scatter,
     "send": _send,
 }
+_EMBEDDING_DATA = {"alltoall_base_", "_allgather_base_", "_reduce_scatter_base_"}  # unlabelled
 
 
 class CollectiveBytes:
@@ -148,11 +162,6 @@ class CollectiveBytes:
             self.bytes[kind] += sent
             self.calls[kind] += 1
 
-    @classmethod
-    def active(cls) -> CollectiveBytes | None:
-        """The counter counting now, if any."""
-        return cls._active
-
     def __enter__(self) -> CollectiveBytes:
         with CollectiveBytes._lock:
             if CollectiveBytes._active is not None:
@@ -171,10 +180,10 @@ class CollectiveBytes:
 def _observe(op: str, args: tuple[Any, ...]) -> None:
     """Count one c10d operator's bytes in the active counter (called before it runs)."""
     counter = CollectiveBytes._active
-    if counter is None:
+    kind = _LABEL.get()
+    if counter is None or (kind is None and op not in _EMBEDDING_DATA):
         return
     tensor, sent = _SENT[op](*args)
-    kind = _LABEL.get()
     if kind is None:
         if not tensor.is_floating_point():
             kind = "ids"
