@@ -36,11 +36,17 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
+from torchrec_lookahead import (
+    HotRowsEmbeddingBagCollection,
+    HotRowsEmbeddingBagCollectionSharder,
+    LookaheadEmbeddingBagCollection,
+    LookaheadTrainPipeline,
+)
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
 from torchrec_lookahead.determinism import deterministic_cuda
+from torchrec_lookahead.embedding import ShardedHotRowsEmbeddingBagCollection
 from torchrec_lookahead.embedding.sharder import LookaheadEmbeddingBagCollectionSharder
 from torchrec_lookahead.traffic import CollectiveBytes
 
@@ -679,9 +685,9 @@ def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
 
     torch.manual_seed(rank)  # fixed initial weights: the rounding differences depend on them
     batches, (base, base_opt, base_plan) = rank_data_and_baseline(case, rank, world_size)
-    sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
+    sharders = [HotRowsEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     store_dir = tempfile.mkdtemp(prefix="lookahead-store-") if case.store_dir else None
-    ebc = LookaheadEmbeddingBagCollection(
+    ebc = HotRowsEmbeddingBagCollection(
         tables=tables(),
         device=torch.device("meta"),
         cache_load_factor=case.cache_load_factor,
@@ -717,7 +723,7 @@ def check_hot_rows(case: Case, rank: int, world_size: int) -> None:
     )
     print(f"{case}: rank {rank}: largest difference {worst:.3g}")
     assert worst == 0, f"{case}: rank {rank} differs by {worst}"
-    sharded = next(m for m in look.modules() if hasattr(m, "replica_metrics"))
+    sharded = next(m for m in look.modules() if isinstance(m, ShardedHotRowsEmbeddingBagCollection))
     metrics = sharded.replica_metrics
     assert metrics.hot_share > 0.5 and metrics.rows_synced > 0, metrics
     assert sent.bytes["hot_sync"] > 0 and sent.bytes["pooled"] > 0, sent.bytes

@@ -32,8 +32,12 @@ from tests.distributed_cases import (
     rank_data_and_baseline,
     tables,
 )
-from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
-from torchrec_lookahead.embedding.sharder import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead import (
+    HotRowsEmbeddingBagCollection,
+    HotRowsEmbeddingBagCollectionSharder,
+    LookaheadTrainPipeline,
+)
+from torchrec_lookahead.embedding import ShardedHotRowsEmbeddingBagCollection
 
 # Per table (t0, t1, t2): an optimizer and a learning rate of its own.
 PER_TABLE = (("rowwise_adagrad", 0.05), ("adagrad", 0.2), ("sgd", 0.02))
@@ -79,10 +83,10 @@ def check_hot_case(case: HotCase, rank: int, world_size: int) -> None:
     if case.mismatched_hot_rows and rank == 1:
         # As many rows, one of them another (its bit and gradient would land in the wrong row).
         hot = {name: [max(ids) + 1, *ids[1:]] for name, ids in hot.items()}
-    ebc = LookaheadEmbeddingBagCollection(
+    ebc = HotRowsEmbeddingBagCollection(
         tables=tables(), device=torch.device("meta"), cache_load_factor=0.1, hot_rows=hot
     )
-    sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
+    sharders = [HotRowsEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     look, look_opt, look_plan = build(ebc, sharders, base_case, world_size, configure=hooks)
     assert str(base_plan) == str(look_plan)
     look.load_state_dict(base.state_dict())
@@ -135,7 +139,7 @@ def check_hot_case(case: HotCase, rank: int, world_size: int) -> None:
     assert_same(
         base_opt.state_dict()["state"], look_opt.state_dict()["state"], f"{case} optimizer state"
     )
-    sharded = next(m for m in look.modules() if hasattr(m, "replica_metrics"))
+    sharded = next(m for m in look.modules() if isinstance(m, ShardedHotRowsEmbeddingBagCollection))
     assert sharded.replica_metrics.hot_share > 0.3, sharded.replica_metrics
     for mine in sharded.replica_rows():
         everyone = [torch.empty_like(mine) for _ in range(world_size)]

@@ -52,9 +52,9 @@ from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from torchrec_lookahead import LookaheadEmbeddingBagCollection
+from torchrec_lookahead import HotRowsEmbeddingBagCollection, HotRowsEmbeddingBagCollectionSharder
 from torchrec_lookahead._compat import fake_store, is_fake
-from torchrec_lookahead.embedding.sharder import LookaheadEmbeddingBagCollectionSharder
+from torchrec_lookahead.embedding.hot.sharded import HotRowsContext
 from torchrec_lookahead.pipeline.stage import LookaheadStage
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.stream_check import StreamChecker
@@ -114,7 +114,7 @@ def test_a_batch_with_hot_rows_reaches_the_input_dist_on_cuda(
     """One rank's stage splits a batch, sends its cold part through TorchRec's input dist on
     the device and plans the ids its shards own (defect N3: the cold part stayed on the
     CPU, which NCCL refuses)."""
-    module = LookaheadEmbeddingBagCollection(
+    module = HotRowsEmbeddingBagCollection(
         TABLES, device=torch.device("meta"), cache_load_factor=0.2, hot_rows=HOT
     )
     apply_optimizer_in_backward(RowWiseAdagrad, module.parameters(), {"lr": 0.05})
@@ -128,7 +128,7 @@ def test_a_batch_with_hot_rows_reaches_the_input_dist_on_cuda(
         StreamChecker(device, values=fake.real) as checker,
         torch.no_grad(),  # autograd cannot record fake CUDA tensors on a CPU build
     ):
-        sharder = LookaheadEmbeddingBagCollectionSharder()
+        sharder = HotRowsEmbeddingBagCollectionSharder()
         plan = construct_module_sharding_plan(
             module,
             {"t0": table_wise(rank=0), "t1": row_wise()},
@@ -147,11 +147,12 @@ def test_a_batch_with_hot_rows_reaches_the_input_dist_on_cuda(
             raise item.error
         assert item.context is not None
         prepared = item.context.inputs[sharded]
-        _, distributed = prepared.distributed
+        ctx, distributed = prepared.distributed
         assert distributed and all(kjt.values().device == device for kjt in distributed)
         seen = sorted(int(i) for step in prepared.groups for b in step.batches for i in b.ids)
         assert seen == OWNED[rank]
-        assert prepared.replicated.split.rows.device == device
+        assert isinstance(ctx, HotRowsContext) and ctx.hot is not None
+        assert ctx.hot.split.rows.device == device
         metrics = sharded.replica_metrics
         assert (metrics.lookups, metrics.hot_lookups) == (len(VALUES), 5)
         ids = item.context.batch.sparse_features.values()  # the batch, moved by the stage

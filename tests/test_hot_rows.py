@@ -21,8 +21,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from planners import hot_rows_report, propose_hot_rows
 from tests.launch import free_port, spawn
 from torchrec_lookahead import (
-    LookaheadEmbeddingBagCollection,
-    LookaheadEmbeddingBagCollectionSharder,
+    HotRowsEmbeddingBagCollection,
+    HotRowsEmbeddingBagCollectionSharder,
 )
 from torchrec_lookahead.data import SyntheticCriteo
 
@@ -53,17 +53,18 @@ def tables(dims=(8, 8), pooling=PoolingType.SUM, features=None):  # noqa: ANN001
         ({"hot_rows": {"t0": [1]}, "tables": tables(pooling=PoolingType.MEAN)}, "MEAN pooling"),
         ({"hot_rows": {"t0": [1]}, "tables": tables(dims=(8, 16))}, r"several widths \[8, 16\]"),
         ({"hot_rows": {"t0": [1]}, "tables": tables(features=[["f"], ["f"]])}, "in two tables"),
+        ({"hot_rows": {"t0": []}}, "names no row"),
     ],
 )
 def test_hot_rows_that_cannot_be_replicated_exactly_are_refused(kwargs, message) -> None:
     kwargs = {"tables": tables(), **kwargs}
     with pytest.raises(ValueError, match=message):
-        LookaheadEmbeddingBagCollection(device=META, **kwargs)
+        HotRowsEmbeddingBagCollection(device=META, **kwargs)
 
 
 def test_a_plan_splitting_a_hot_tables_columns_is_refused_before_sharding() -> None:
-    module = LookaheadEmbeddingBagCollection(tables(), device=META, hot_rows={"t1": [5, 6]})
-    sharder = LookaheadEmbeddingBagCollectionSharder()
+    module = HotRowsEmbeddingBagCollection(tables(), device=META, hot_rows={"t1": [5, 6]})
+    sharder = HotRowsEmbeddingBagCollectionSharder()
     plan = EmbeddingShardingPlanner(
         topology=Topology(world_size=2, compute_device="cpu"),
         constraints={
@@ -305,9 +306,9 @@ def _refuse_2d(rank: int, port: int) -> None:
     try:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-        module = LookaheadEmbeddingBagCollection(tables(), device=META, hot_rows={"t1": [5, 6]})
+        module = HotRowsEmbeddingBagCollection(tables(), device=META, hot_rows={"t1": [5, 6]})
         sgd = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
-        sharder = LookaheadEmbeddingBagCollectionSharder(fused_params=sgd)
+        sharder = HotRowsEmbeddingBagCollectionSharder(fused_params=sgd)
         plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).plan(
             module, [sharder]
         )

@@ -13,6 +13,8 @@ from torchrec_lookahead.types import CachePlan
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from torchrec_lookahead.checks import BatchTypeError
     from torchrec_lookahead.embedding import (
+        HotRowsEmbeddingBagCollection,
+        HotRowsEmbeddingBagCollectionSharder,
         LookaheadEmbeddingBagCollection,
         LookaheadEmbeddingBagCollectionSharder,
         lookahead_sharders,
@@ -23,6 +25,8 @@ __all__ = [
     "BatchTypeError",
     "CacheMetrics",
     "CachePlan",
+    "HotRowsEmbeddingBagCollection",
+    "HotRowsEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingBagCollection",
     "LookaheadEmbeddingBagCollectionSharder",
     "LookaheadTrainPipeline",
@@ -33,6 +37,8 @@ __all__ = [
 
 _LAZY = {
     "BatchTypeError": "torchrec_lookahead.checks",
+    "HotRowsEmbeddingBagCollection": "torchrec_lookahead.embedding",
+    "HotRowsEmbeddingBagCollectionSharder": "torchrec_lookahead.embedding",
     "LookaheadEmbeddingBagCollection": "torchrec_lookahead.embedding",
     "LookaheadEmbeddingBagCollectionSharder": "torchrec_lookahead.embedding",
     "LookaheadTrainPipeline": "torchrec_lookahead.pipeline",

@@ -198,12 +198,11 @@ class PreparedGroup:
 class ModuleInput:
     """What a module's ``prepare`` made of a batch: per cached group, the batch checked
     for it; under DMP also the batch as distributed to this rank (TorchRec's context and
-    input), which the step's forward consumes, and its hot part for the replicated rows
-    (an ``embedding.hot.HotInput``, a layer above this one)."""
+    input), which the step's forward consumes. The context holds whatever else the
+    module keeps of the batch (the hot rows' part: ``HotRowsContext``)."""
 
     groups: list[PreparedGroup]
     distributed: tuple[EmbeddingBagCollectionContext, KJTList] | None = None
-    replicated: object = None
 
 
 @dataclass

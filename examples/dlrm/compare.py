@@ -7,7 +7,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from torchrec_lookahead.embedding.sharder import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.embedding import ShardedHotRowsEmbeddingBagCollection
 from torchrec_lookahead.metrics import KINDS
 
 __all__ = ["local_tensors", "mean_over_ranks", "replica_metrics", "weights_digest", "weights_gap"]
@@ -26,8 +26,7 @@ def replica_metrics(dmp):  # noqa: ANN201
         (
             m.replica_metrics
             for m in dmp.modules()
-            if isinstance(m, ShardedLookaheadEmbeddingBagCollection)
-            and m.replica_metrics is not None
+            if isinstance(m, ShardedHotRowsEmbeddingBagCollection)
         ),
         None,
     )

@@ -21,8 +21,9 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from torchrec_lookahead import (
+    HotRowsEmbeddingBagCollection,
     LookaheadEmbeddingBagCollection,
-    LookaheadEmbeddingBagCollectionSharder,
+    lookahead_sharders,
 )
 from torchrec_lookahead.traffic import count_data_parallel
 
@@ -147,14 +148,14 @@ def build(
     if lookahead:
         # A table whose share is below what the window touches gets that at the first
         # batch (small tables are cached whole): no setting is too small for the window.
-        ebc = LookaheadEmbeddingBagCollection(
-            tables(args),
-            device=meta,
-            cache_load_factor=args.cache_load_factor,
-            store_dir=args.store_dir,
-            hot_rows=hot,
+        settings = dict(
+            device=meta, cache_load_factor=args.cache_load_factor, store_dir=args.store_dir
         )
-        sharders = [LookaheadEmbeddingBagCollectionSharder()]
+        if hot:
+            ebc = HotRowsEmbeddingBagCollection(tables(args), hot_rows=hot, **settings)
+        else:
+            ebc = LookaheadEmbeddingBagCollection(tables(args), **settings)
+        sharders = lookahead_sharders()
     else:
         ebc = EmbeddingBagCollection(tables(args), device=meta)
         sharders = [EmbeddingBagCollectionSharder()]

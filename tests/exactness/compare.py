@@ -36,9 +36,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from planners import optimizer_state_floats, propose_hot_rows
 from tests.exactness.configs import Config
 from torchrec_lookahead import (
+    HotRowsEmbeddingBagCollection,
     LookaheadEmbeddingBagCollection,
-    LookaheadEmbeddingBagCollectionSharder,
     LookaheadTrainPipeline,
+    lookahead_sharders,
 )
 from torchrec_lookahead.data.dedup import deduplicate
 
@@ -170,11 +171,6 @@ def hot_rows(config: Config) -> dict[str, list[int]] | None:
         for t in config.tables
     }
     if config.hot == "on":
-        import os
-
-        keep = os.environ.get("DBG_HOT")
-        if keep is not None:
-            samples = {k: v for k, v in samples.items() if k in keep.split(",")}
         chosen = {}
         for name, steps in samples.items():
             ids, counts = np.unique(np.concatenate(steps), return_counts=True)
@@ -225,16 +221,18 @@ def build(
     """A DMP model of ``config`` (lookahead or plain), its optimizer and its plan."""
     meta = torch.device("meta")
     if lookahead:
-        ebc = LookaheadEmbeddingBagCollection(
-            table_configs(config),
+        settings = dict(
             is_weighted=config.weighted,
             device=meta,
             cache_load_factor=config.cache_load_factor,
             store_dir=store_dir,
-            hot_rows=hot,
             min_cache_rows=min_cache_rows,
         )
-        sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
+        if hot:
+            ebc = HotRowsEmbeddingBagCollection(table_configs(config), hot_rows=hot, **settings)
+        else:
+            ebc = LookaheadEmbeddingBagCollection(table_configs(config), **settings)
+        sharders = lookahead_sharders(cpu_row_wise=True)
     else:
         ebc = EmbeddingBagCollection(
             table_configs(config), is_weighted=config.weighted, device=meta

@@ -1,15 +1,21 @@
-"""The TorchRec integration: the cached embedding-bag collection and its sharder (DMP)."""
+"""The TorchRec integration: the cached embedding-bag collections and their sharders (DMP)."""
 
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.embedding.hot.collection import HotRowsEmbeddingBagCollection
+from torchrec_lookahead.embedding.hot.sharded import ShardedHotRowsEmbeddingBagCollection
 from torchrec_lookahead.embedding.sharder import (
+    HotRowsEmbeddingBagCollectionSharder,
     LookaheadEmbeddingBagCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
     lookahead_sharders,
 )
 
 __all__ = [
+    "HotRowsEmbeddingBagCollection",
+    "HotRowsEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingBagCollection",
     "LookaheadEmbeddingBagCollectionSharder",
+    "ShardedHotRowsEmbeddingBagCollection",
     "ShardedLookaheadEmbeddingBagCollection",
     "lookahead_sharders",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import in_backward_optimizers
 from torchrec_lookahead.cache.tables import CachedTables
-from torchrec_lookahead.embedding.hot.layout import check_hot_rows
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import HostStore, MmapStore
@@ -79,12 +78,9 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             values ``EmbeddingBagCollection`` gives on the CPU for the same
             seed. Under DMP each rank keeps its shards in a directory of its
             own below this one.
-        hot_rows: ids per table name to replicate on every rank under DMP (see
-            :mod:`~torchrec_lookahead.embedding.hot`): looked up where
-            their samples are, their gradients summed across ranks. Needs SUM
-            pooling, unweighted features, one row width for every table and
-            each feature in one table. Unsharded, every row is local already:
-            they are checked and change nothing.
+
+    Hot rows replicated on every rank under DMP:
+    :class:`~torchrec_lookahead.embedding.hot.collection.HotRowsEmbeddingBagCollection`.
     """
 
     def __init__(
@@ -97,7 +93,6 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         fused_params: Mapping[str, Any] | None = None,
         min_cache_rows: int = 1,
         store_dir: str | os.PathLike | None = None,
-        hot_rows: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}), min_cache_rows)
         names = [t.name for t in tables]
@@ -107,9 +102,6 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         poolings = {t.pooling for t in tables}
         if len(poolings) > 1 or not poolings <= set(_POOLING):
             raise ValueError(f"tables must share one pooling, SUM or MEAN; got {poolings}")
-        self.hot_rows = check_hot_rows(hot_rows or {}, {t.name: t.num_embeddings for t in tables})
-        if self.hot_rows:
-            _check_replicable(tables, is_weighted)
         compute = torch.device(device) if device is not None else torch.device("cpu")
         if store_dir is not None and compute.type not in ("cpu", "meta"):
             raise ValueError(
@@ -373,19 +365,3 @@ def _draw_normal(numel: int) -> None:
         size = left if left < 2 * DRAW_CHUNK else DRAW_CHUNK
         buffer[:size].normal_()
         left -= size
-
-
-def _check_replicable(tables: list[EmbeddingBagConfig], is_weighted: bool) -> None:
-    """Raise ``ValueError`` if hot rows of ``tables`` cannot be replicated exactly."""
-    problems = []
-    if is_weighted:
-        problems.append("weighted features (a hot id's weight would have to travel too)")
-    if any(t.pooling != PoolingType.SUM for t in tables):
-        problems.append("MEAN pooling (a bag's mean needs its cold and hot ids together)")
-    if len({t.embedding_dim for t in tables}) > 1:
-        problems.append(f"tables of several widths {sorted({t.embedding_dim for t in tables})}")
-    features = [f for t in tables for f in t.feature_names]
-    if len(set(features)) < len(features):
-        problems.append("a feature looked up in two tables")
-    if problems:
-        raise ValueError("hot_rows cannot be replicated with " + "; ".join(problems))

@@ -4,51 +4,35 @@ TorchRec's sharded collection is kept whole: its lookups create lookahead
 kernels (:mod:`~torchrec_lookahead.embedding.kernel`), and the pipeline splits
 its forward in time, ``input_dist`` when a batch enters the window and the rest
 at the step. Every rank caches only the shards it owns, so each row has one
-owner; hot rows (:mod:`~torchrec_lookahead.embedding.hot`) are replicated on
-every rank.
+owner. Replicated hot rows extend it
+(:class:`~torchrec_lookahead.embedding.hot.sharded.ShardedHotRowsEmbeddingBagCollection`)
+through three hooks: ``create_context``, ``route`` and ``complete``.
 """
 
 from __future__ import annotations
 
 import time
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
-from torchrec.distributed.types import (
-    ShardingEnv,
-    ShardingType,
-)
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
+from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from torchrec_lookahead._compat import (
-    CompletedOutput,
-    GatheredOutput,
-    ShardedCollectionBase,
-)
+from torchrec_lookahead._compat import GatheredOutput, ShardedCollectionBase
 from torchrec_lookahead.cache.tables import CachedTables
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.embedding.hot import (
-    HotInput,
-    HotLayout,
-    HotRowTier,
-    ReplicaMetrics,
-    RowRange,
-)
 from torchrec_lookahead.embedding.kernel import LookaheadFusedEmbeddingBag
 from torchrec_lookahead.embedding.lookup import LookaheadPooledEmbeddingsLookup
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.traffic import label
 from torchrec_lookahead.types import ModuleInput, StepContext, StepPlan, Window
-from torchrec_lookahead.variable_batch import (
-    VARIABLE_BATCH_OPTIMIZERS,
-    gather_bags,
-)
+from torchrec_lookahead.variable_batch import gather_bags
 
 __all__ = ["ShardedLookaheadEmbeddingBagCollection", "refusals", "vote"]
 
@@ -101,93 +85,12 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             f: t.num_embeddings for t in self.embedding_bag_configs() for f in t.feature_names
         }
         self._table_features = {t.name: list(t.feature_names) for t in self.embedding_bag_configs()}
-        self._hot = self._make_hot_tier(module.hot_rows) if module.hot_rows else None
-        self._hot_pg: dist.ProcessGroup | None = None  # the hot rows' update, made at attach
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
-
-    def _make_hot_tier(self, hot: dict[str, np.ndarray]) -> HotRowTier:
-        """The hot rows' replicas on this rank, laid out like the plan's shards of them."""
-        infos = {
-            info.embedding_config.name: info
-            for per_type in self.sharding_type_to_sharding_infos.values()
-            for info in per_type
-        }
-        shards = {
-            name: [
-                RowRange(
-                    md.placement.rank(),
-                    md.shard_offsets[0],
-                    md.shard_offsets[0] + md.shard_sizes[0],
-                )
-                for md in infos[name].param_sharding.sharding_spec.shards
-            ]
-            for name in hot
-        }
-        params = {name: dict(infos[name].fused_params or {}) for name in hot}
-        configs = self.embedding_bag_configs()
-        layout = HotLayout(
-            hot,
-            keys=[f for t in configs for f in t.feature_names],
-            key_tables=[t.name for t in configs for _ in t.feature_names],
-            table_features={t.name: list(t.feature_names) for t in configs},
-            num_embeddings={t.name: t.num_embeddings for t in configs},
-            table_params=params,
-            shards=shards,
-            dim=configs[0].embedding_dim,
-        )
-        tier = HotRowTier(layout, self._collective_device, owners=self)
-        for kernel in self.kernels:
-            kernel.fold_replicas_from(tier)
-        # The cold ids travel as a variable batch (bags of hot ids only dropped) where
-        # TorchRec's sharding and FBGEMM's kernel take one: not row-wise over gloo, on
-        # CUDA only with some optimizers, on the CPU only where each sharding's tables
-        # share their fused settings, so that no rank's lookup has several kernels
-        # (TorchRec merges their variable-batch outputs into a preallocated output,
-        # which FBGEMM's CPU kernel does not write). Every rank decides alike: the
-        # input all-to-all differs for a variable batch.
-        optimizers = {p["optimizer"] for p in params.values()}
-        one_kernel = all(
-            len({repr(sorted((info.fused_params or {}).items())) for info in per_type}) <= 1
-            for per_type in self.sharding_type_to_sharding_infos.values()
-        )
-        on_cpu = self._collective_device.type == "cpu"
-        self._cold_variable_batch = not self._row_wise_on_gloo and (
-            one_kernel if on_cpu else optimizers <= set(VARIABLE_BATCH_OPTIMIZERS)
-        )
-        return tier
-
-    def shard_readers(self) -> dict[tuple[str, int], Any]:
-        """Per ``(table, first row)`` of a local shard, a reader of its rows (for the hot
-        rows' replicas)."""
-        return {
-            (name, start): partial(kernel.read_rows, table)
-            for kernel in self.kernels
-            for table, (name, start) in enumerate(zip(kernel.table_names, kernel.row_starts))
-        }
-
-    def learning_rates(self) -> dict[str, float]:
-        """The current learning rate of each table with a local shard: its kernel's, which
-        the fused optimizer sets (schedules included)."""
-        return {
-            name: kernel.store_tbe.get_learning_rate()
-            for kernel in self.kernels
-            for name in kernel.table_names
-        }
 
     @property
     def kernels(self) -> list[LookaheadFusedEmbeddingBag]:
         """This rank's lookahead kernels (one per group of its shards)."""
         return [kernel for lookup in self.lookups for kernel in lookup.kernels]
-
-    @property
-    def replica_metrics(self) -> ReplicaMetrics | None:
-        """What the replicated hot rows served (``None`` without hot rows)."""
-        return None if self._hot is None else self._hot.metrics
-
-    def replica_rows(self) -> list[torch.Tensor]:
-        """The replicas of the hot rows on this rank: per group, weights, then optimizer
-        state."""
-        return [] if self._hot is None else self._hot.replica_rows()
 
     @property
     def store_files(self) -> StoreFiles | None:
@@ -241,10 +144,6 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             group.attach(window)
         self._context = None
         self._stand_in = None
-        if self._hot is not None:  # collectives: the hot rows' layout agreed, then loaded
-            if self._hot_pg is None:
-                self._hot_pg = dist.new_group(ranks=ranks)
-            self._hot.attach(self._hot_pg)
 
     def prepare(
         self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
@@ -261,20 +160,18 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         in its place, to be dropped with it. Until one has passed (the same on
         every rank), the first refusals are voted on before the collective too.
         """
-        error = refusal or self._check_ids(features, step) or self._check_strides(features)
+        error = refusal or self._check_ids(features, step) or self.batch_kind_refusal(features)
         if self._stand_in is None or self.env.world_size == 1:
             self._agree(error)
         elif error is not None:
             features = self._stand_in
         start = time.thread_time()
         bound = self._ids_bound(features)
-        cold, hot = features, None
-        if self._hot is not None:  # the union's exchange starts: a collective, on every rank
-            cold, hot = self._hot.prepare(features, self._cold_variable_batch, self._stage_pg)
         ctx = self.create_context()
+        sent = self.route(features, ctx, self._stage_pg)
         self.use_input_dists(self._stage_input_dists)  # this thread's: the stage's
         try:
-            distributed = self.input_dist(ctx, cold).wait().wait()
+            distributed = self.input_dist(ctx, sent).wait().wait()
         finally:
             self.use_input_dists(None)
         self.input_dist_s += time.thread_time() - start
@@ -288,7 +185,18 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             error = caught
         self._agree(error)
         self._stand_in = features
-        return ModuleInput(prepared, (ctx, distributed), hot)
+        return ModuleInput(prepared, (ctx, distributed))
+
+    def route(
+        self,
+        features: KeyedJaggedTensor,
+        ctx: EmbeddingBagCollectionContext,
+        group: dist.ProcessGroup | None,
+    ) -> KeyedJaggedTensor:
+        """The part of a batch (every rank's passed the vote, or is a stand-in) that goes
+        to the shards; a subclass may keep the rest in ``ctx`` and start collectives on
+        ``group`` (the stage's), on every rank alike. Here: all of it."""
+        return features
 
     def _ids_bound(self, features: KeyedJaggedTensor) -> dict[str, int] | None:
         """Per table, the ids a shard of it can get from a batch like ``features`` (every
@@ -317,13 +225,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             return error
         return None
 
-    def _check_strides(self, features: KeyedJaggedTensor) -> ValueError | None:
-        if self._hot is not None and features.variable_stride_per_key():
-            return ValueError(
-                "a deduplicated (variable-batch) batch cannot be split for "
-                "replicated hot rows; send plain batches, or build the "
-                "collection without hot_rows"
-            )
+    def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
+        """Why this collection cannot take a batch of ``features``' kind, if it cannot."""
         if self._refuse_variable_batch and features.variable_stride_per_key():
             return ValueError(
                 "a deduplicated (variable-batch) batch cannot reach row-wise shards over gloo: "
@@ -340,15 +243,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             raise error
 
     def enter(self, prepared: ModuleInput) -> StepPlan | None:
-        if self._hot is not None:
-            assert isinstance(prepared.replicated, HotInput)
-            self._hot.enter(prepared.replicated)
         planned = [g.enter(p) for g, p in zip(self.cached_groups, prepared.groups)]
         return _merge(planned)
 
     def finish(self) -> list[StepPlan]:
-        if self._hot is not None:
-            self._hot.resolve()
         per_group = [group.finish() for group in self.cached_groups]
         return [merged for step in zip(*per_group) if (merged := _merge(list(step)))]
 
@@ -379,40 +277,25 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             return super().forward(*args, **kwargs)  # eval: kernels read the store
         step_input = context.inputs[self]
         assert step_input.distributed is not None  # a sharded module's input is distributed
-        (ctx, distributed), hot = step_input.distributed, step_input.replicated
-        assert hot is None or isinstance(hot, HotInput)
+        ctx, distributed = step_input.distributed
         output = GatheredOutput.adopt(self.compute_and_output_dist(ctx, distributed), gather_bags)
-        if hot is None:
-            return output
-        assert self._hot is not None
-        pooled = self._hot.lookup(hot)  # while the cold outputs travel
-        layout = self._hot.layout
+        return self.complete(ctx, output)
 
-        def with_hot_rows(cold: KeyedTensor) -> KeyedTensor:
-            values = cold.values() + _in_order(pooled, layout.keys, cold.keys(), layout.dim)
-            return KeyedTensor(cold.keys(), cold.length_per_key(), values)
-
-        return CompletedOutput(output, with_hot_rows)
+    def complete(
+        self, ctx: EmbeddingBagCollectionContext, output: LazyAwaitable[KeyedTensor]
+    ) -> LazyAwaitable[KeyedTensor]:
+        """The step's output, from the shards' ``output`` of the batch ``route`` sent them
+        (a subclass adds what it kept in ``ctx``). Here: ``output``."""
+        return output
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.write_back()
         return super().state_dict(*args, **kwargs)
 
     def _reload_caches(self) -> None:
+        """The tables were loaded: every cache refreshes from its store."""
         for group in self.cached_groups:
             group.cache.refresh()
-        if self._hot is not None:  # reloaded from the owners before they are next read
-            self._hot.invalidate()
-
-
-def _in_order(pooled: torch.Tensor, keys: list[str], wanted: list[str], dim: int) -> torch.Tensor:
-    """``pooled`` (features in ``keys``' order) with its features in ``wanted``'s order
-    (TorchRec's sharded output orders them by sharding)."""
-    if wanted == keys:
-        return pooled
-    index = torch.tensor([keys.index(k) for k in wanted], device=pooled.device)
-    per_key = pooled.view(pooled.shape[0], len(keys), dim)
-    return per_key.index_select(1, index).reshape(pooled.shape[0], -1)
 
 
 def _merge(planned: list[StepPlan | None]) -> StepPlan | None:

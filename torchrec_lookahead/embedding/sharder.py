@@ -1,12 +1,15 @@
-"""Sharding ``LookaheadEmbeddingBagCollection`` with ``DistributedModelParallel``.
+"""Sharding the lookahead collections with ``DistributedModelParallel``.
 
 ``LookaheadEmbeddingBagCollectionSharder`` is the ``ModuleSharder`` passed to
 DMP and to the planner; it builds a
 :class:`~torchrec_lookahead.embedding.sharded.ShardedLookaheadEmbeddingBagCollection`,
 whose kernels (:mod:`~torchrec_lookahead.embedding.kernel`) cache the shards
-each rank owns. The module layout follows TorchRec's: kernel
-(``batched_embedding_kernel.py``), lookup (``embedding_lookup.py``), sharded
-collection and sharder (``embeddingbag.py``).
+each rank owns. ``HotRowsEmbeddingBagCollectionSharder`` does the same for
+:class:`~torchrec_lookahead.embedding.hot.collection.HotRowsEmbeddingBagCollection`,
+whose sharded module also replicates the hot rows
+(:mod:`~torchrec_lookahead.embedding.hot.sharded`). The module layout follows
+TorchRec's: kernel (``batched_embedding_kernel.py``), lookup
+(``embedding_lookup.py``), sharded collection and sharder (``embeddingbag.py``).
 """
 
 from __future__ import annotations
@@ -26,10 +29,13 @@ from torchrec.distributed.types import (
 )
 
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.embedding.hot.collection import HotRowsEmbeddingBagCollection
+from torchrec_lookahead.embedding.hot.sharded import ShardedHotRowsEmbeddingBagCollection
 from torchrec_lookahead.embedding.kernel import LookaheadFusedEmbeddingBag
 from torchrec_lookahead.embedding.sharded import ShardedLookaheadEmbeddingBagCollection
 
 __all__ = [
+    "HotRowsEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingBagCollectionSharder",
     "LookaheadFusedEmbeddingBag",
     "ShardedLookaheadEmbeddingBagCollection",
@@ -83,26 +89,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
                     "a lookahead cache needs rows on every shard: shard it table-wise, or over "
                     "fewer ranks than it has rows"
                 )
-        if module.hot_rows and isinstance(env, ShardingEnv2D):
-            raise ValueError(
-                "hot rows are not replicated under 2D parallelism (DMPCollection): their "
-                "gradients are summed over the sharding group only, and the replica groups "
-                "would part; build the collection without hot_rows, or shard it with "
-                "DistributedModelParallel"
-            )
-        whole_rows = {
-            ShardingType.TABLE_WISE.value,
-            ShardingType.ROW_WISE.value,
-            ShardingType.TABLE_ROW_WISE.value,
-        }
-        for name in module.hot_rows:
-            if params[name].sharding_type not in whole_rows:
-                raise ValueError(
-                    f"table {name}: hot rows are replicated whole, and the plan "
-                    f"splits its columns ({params[name].sharding_type}); shard it "
-                    "table- or row-wise, or give it no hot rows"
-                )
-        return ShardedLookaheadEmbeddingBagCollection(
+        return self.sharded_module_type(
             module=module,
             table_name_to_parameter_sharding=params,
             env=env,
@@ -133,11 +120,63 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return ShardedLookaheadEmbeddingBagCollection
 
 
-def lookahead_sharders(fused_params: dict[str, Any] | None = None) -> list[ModuleSharder]:
+class HotRowsEmbeddingBagCollectionSharder(LookaheadEmbeddingBagCollectionSharder):
+    """Shards ``HotRowsEmbeddingBagCollection`` as the lookahead sharder does, and
+    replicates its hot rows on every rank. A hot table must keep its rows whole
+    (table- or row-wise), and 2D parallelism is refused (the replicas' update
+    would run over the sharding group only)."""
+
+    def shard(
+        self,
+        module: HotRowsEmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedHotRowsEmbeddingBagCollection:
+        if isinstance(env, ShardingEnv2D):
+            raise ValueError(
+                "hot rows are not replicated under 2D parallelism (DMPCollection): their "
+                "gradients are summed over the sharding group only, and the replica groups "
+                "would part; build a LookaheadEmbeddingBagCollection, or shard it with "
+                "DistributedModelParallel"
+            )
+        whole_rows = {
+            ShardingType.TABLE_WISE.value,
+            ShardingType.ROW_WISE.value,
+            ShardingType.TABLE_ROW_WISE.value,
+        }
+        for name in module.hot_rows:
+            if params[name].sharding_type not in whole_rows:
+                raise ValueError(
+                    f"table {name}: hot rows are replicated whole, and the plan "
+                    f"splits its columns ({params[name].sharding_type}); shard it "
+                    "table- or row-wise, or give it no hot rows"
+                )
+        sharded = super().shard(module, params, env, device, module_fqn)
+        assert isinstance(sharded, ShardedHotRowsEmbeddingBagCollection)
+        return sharded
+
+    @property
+    def module_type(self) -> type[HotRowsEmbeddingBagCollection]:
+        return HotRowsEmbeddingBagCollection
+
+    @property
+    def sharded_module_type(self) -> type[ShardedHotRowsEmbeddingBagCollection]:
+        return ShardedHotRowsEmbeddingBagCollection
+
+
+def lookahead_sharders(
+    fused_params: dict[str, Any] | None = None, cpu_row_wise: bool = False
+) -> list[ModuleSharder]:
     """The sharders for a model mixing lookahead and plain TorchRec modules.
 
-    ``LookaheadEmbeddingBagCollectionSharder`` first, then TorchRec's default
-    sharders for every other module type (``EmbeddingBagCollection``,
-    ``EmbeddingCollection``, ...).
+    The lookahead collection's and the hot-rows collection's first, then
+    TorchRec's default sharders for every other module type
+    (``EmbeddingBagCollection``, ``EmbeddingCollection``, ...).
     """
-    return [LookaheadEmbeddingBagCollectionSharder(fused_params), *get_default_sharders()]
+    return [
+        LookaheadEmbeddingBagCollectionSharder(fused_params, cpu_row_wise=cpu_row_wise),
+        HotRowsEmbeddingBagCollectionSharder(fused_params, cpu_row_wise=cpu_row_wise),
+        *get_default_sharders(),
+    ]

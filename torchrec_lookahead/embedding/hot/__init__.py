@@ -16,7 +16,10 @@ their optimizer state, as Bagpipe's replicated cache does. One module per job:
 - :mod:`~.sync`: the ranks agree on the rows a step touches (a bit per row,
   exchanged ``L`` steps ahead) and sum their gradients in the order the owner
   would, so every replica applies the owner's very update.
-- :mod:`~.tier`: the tier the sharded collection drives.
+- :mod:`~.tier`: the tier, as the sharded collection drives it.
+- :mod:`~.collection` and :mod:`~.sharded`: ``HotRowsEmbeddingBagCollection``
+  and its sharded module, the sharded lookahead collection extended by the
+  tier (its sharder is in :mod:`~torchrec_lookahead.embedding.sharder`).
 
 The replicas stay bitwise equal on every rank, and bitwise equal to plain
 TorchRec's rows on the CPU where every bag of a hot table holds only hot or
