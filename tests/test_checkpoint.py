@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import resource
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "dlrm"))
-from checkpoint import Checkpointer, latest  # noqa: E402
+from checkpoint import Checkpointer, latest
 
 
 @pytest.fixture

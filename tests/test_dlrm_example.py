@@ -194,7 +194,6 @@ def test_trains_on_days_preprocessed_as_torchrec_does(tmp_path: Path) -> None:
 
 
 def test_loader_workers_by_default_only_where_a_rank_has_cores_to_spare() -> None:
-    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
     import flags as example_flags
 
     assert example_flags.loader_workers(local_ranks=1, cores=2) == 0  # this project's machine
@@ -206,7 +205,6 @@ def test_loader_workers_by_default_only_where_a_rank_has_cores_to_spare() -> Non
 
 
 def test_table_sizes_come_as_a_list_or_a_file(tmp_path: Path, capsys) -> None:
-    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
     import flags as example_flags
 
     days = tmp_path / "days"
@@ -239,7 +237,6 @@ def test_table_sizes_come_as_a_list_or_a_file(tmp_path: Path, capsys) -> None:
 def test_old_checkpoints_are_pruned_never_the_latest_or_one_being_written(
     tmp_path: Path,
 ) -> None:
-    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
     from checkpoint import prune
 
     root = tmp_path / "ckpt"
@@ -413,7 +410,6 @@ def test_bad_input_gets_one_clear_message(tmp_path: Path, flags, code, message, 
     flags = [substituted(f) for f in flags]
     message = message.replace("FILE", str(tmp_path / "file"))
     if code == 2:
-        sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
         import flags as example_flags
 
         with pytest.raises(SystemExit) as exited:
@@ -452,7 +448,6 @@ def test_resume_onto_another_model_names_the_flags(tmp_path: Path, capsys) -> No
         ],
         "--num_embeddings": ["--scale", "0.002"],
     }
-    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
     import flags as example_flags  # the check is the flags' own: no process needed
 
     for changed, flags in other_models.items():
@@ -465,7 +460,6 @@ def test_resume_onto_another_model_names_the_flags(tmp_path: Path, capsys) -> No
 
 
 def test_the_learning_rate_schedule_warms_up_holds_and_decays() -> None:
-    sys.path.insert(0, str(ROOT / "examples" / "dlrm"))
     import torch
     from schedule import FLOOR, RateSchedule
 
