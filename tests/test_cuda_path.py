@@ -59,6 +59,7 @@ from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPi
 from torchrec_lookahead._compat import fake_cuda_tensors, fake_store
 from torchrec_lookahead.cache.pools import slot_pools
 from torchrec_lookahead.cache.table import CacheTable
+from torchrec_lookahead.embedding.hot.sharded import HotRowsContext
 from torchrec_lookahead.pipeline.executor import PlanExecutor
 from torchrec_lookahead.pipeline.stage import LookaheadStage
 from torchrec_lookahead.store.stores import HostStore
@@ -321,10 +322,13 @@ def test_cuda_and_cuda0_name_one_side_stream() -> None:
 
 @dataclass(frozen=True)
 class HotPart:
-    """Stands in for what a sharded module's hot-row tier puts in a step's input."""
+    """Stands in for the hot part of a batch (``HotInput``), which a sharded module's
+    ``HotRowsContext`` records on a stream with TorchRec's context."""
 
     rows: torch.Tensor
-    exchange: object = None
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.rows.record_stream(stream)
 
 
 def test_the_hand_over_marks_every_tensor_of_the_step_for_the_trainer() -> None:
@@ -339,7 +343,8 @@ def test_the_hand_over_marks_every_tensor_of_the_step_for_the_trainer() -> None:
         batch = Batch(torch.zeros(2, 4).to(CUDA), features, torch.ones(2).to(CUDA))
         slots = torch.tensor([5, 6, 7]).to(CUDA)
         hot = HotPart(torch.tensor([0, 1]).to(CUDA))
-        inputs = {"module": ModuleInput([], None, replicated=hot)}
+        ctx = HotRowsContext(hot=hot)
+        inputs = {"module": ModuleInput([], (ctx, []))}
         context = StepContext(0, batch, inputs, StepPlan(0, [], {"group": slots}))
         stage.hand_over(context)
         trainer = checker.stream_name(0)
