@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.models import needs_store_buffers
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -126,6 +128,7 @@ def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> 
     assert all(0 <= a["predicted"] <= 1 and 0 <= a["measured"] <= 1 for a in report["accuracy"])
 
 
+@needs_store_buffers
 def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None:
     store = tmp_path / "store"
     store.mkdir()

@@ -16,6 +16,7 @@ from tests.distributed_cases import (
     worker,
 )
 from tests.launch import free_port, spawn
+from tests.models import needs_store_buffers
 
 
 def run_cases(world_size: int, cases: list[Case]) -> None:
@@ -84,6 +85,7 @@ def test_row_wise_over_gloo_refuses_deduplicated_batches_clearly() -> None:
     spawn(row_wise_deduplicated_worker, (2, free_port()), nprocs=2)
 
 
+@needs_store_buffers
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_disk_store_matches_plain_torchrec(world_size: int) -> None:
     run_cases(
@@ -114,6 +116,7 @@ def test_canonical_use_with_the_lookahead_planner_matches_plain_torchrec() -> No
     spawn(planned_worker, (2, free_port()), nprocs=2)
 
 
+@needs_store_buffers
 def test_replicated_hot_rows_from_a_disk_store_train_like_plain_torchrec() -> None:
     """Hot rows replicated from row-wise shards in a disk store, a deduplicated batch one
     rank refuses, eval through the folded owners: bitwise plain TorchRec's (the

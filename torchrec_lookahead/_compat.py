@@ -5,12 +5,15 @@ why no public API serves; the rest of the project uses public API only, and
 reaches these through the base classes and functions below. Checked on
 torch 2.13 / FBGEMM 1.8 / TorchRec 1.8 (``requirements/cpu.txt``) and on
 torch 2.14.1 / FBGEMM 1.9.0 / TorchRec 1.9.2 (``requirements/compat.txt``,
-``make test-compat``): every name below is in both, with the same meaning. A
-release that moves one of them breaks this module alone.
+``make test-compat``): every name below is in both, with the same meaning. On the
+lent GPU machine's train, torch 2.11 / FBGEMM 1.6 (CUDA build) / TorchRec 1.6.1, one
+differs, and :data:`TBE_TAKES_HOST_BUFFERS` says so. A release that moves one of them
+breaks this module alone.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 import warnings
@@ -49,6 +52,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 __all__ = [
     "DATA_DEPENDENT",
+    "TBE_TAKES_HOST_BUFFERS",
     "PIN_MEMORY",
     "TO_COPY",
     "UNIQUE",
@@ -62,6 +66,7 @@ __all__ = [
     "embedding_features",
     "fake_cuda_tensors",
     "fake_store",
+    "has_fake_kernel",
     "in_backward_optimizers",
     "is_fake",
     "observe_collectives",
@@ -71,6 +76,14 @@ __all__ = [
     "split_pooled_tables",
 ]
 
+
+# FBGEMM 1.8 added the TBE's ``preallocated_host_buffers`` (a disk store under DMP hands
+# it the store's mapped files as the TBE's host memory); 1.6, the release beside the lent
+# GPU machine's torch 2.11, lacks it.
+TBE_TAKES_HOST_BUFFERS = (
+    "preallocated_host_buffers"
+    in inspect.signature(SplitTableBatchedEmbeddingBagsCodegen.__init__).parameters
+)
 
 # ------------------------------------------------------------ unsharded modules
 
@@ -535,6 +548,12 @@ def real_tensors() -> Any:
 def op_schema(func: Any) -> Any:
     """An operator's schema: its arguments, and which of them it writes (``alias_info``)."""
     return func._schema
+
+
+def has_fake_kernel(name: str) -> bool:
+    """Whether operator ``name`` (``"namespace::op"``) has a kernel for fake tensors: a
+    CUDA build of FBGEMM registers them for its TBE kernels, a CPU build does not."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta")
 
 
 def fake_store() -> Any:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from torchrec_lookahead._compat import TBE_TAKES_HOST_BUFFERS
+
 __all__ = ["EVENTS", "OPTIMIZERS", "Config", "TableSpec", "draw"]
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")  # what FBGEMM's CPU TBE runs
@@ -165,7 +167,8 @@ def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
         prefetch_distance=int(rng.choice([0, 1, 2])),
         hot=hot,
         dedup=dedup,
-        disk_store=bool(rng.random() < 0.2),
+        # (drawn alike either way, so the rest of the draw is the same)
+        disk_store=bool(rng.random() < 0.2) and TBE_TAKES_HOST_BUFFERS,
         schedule=str(rng.choice(["none", "warmup_decay", "random"], p=[0.5, 0.3, 0.2])),
         events=tuple(dict(events).items()),  # one event per step at most
         stage_thread=bool(rng.random() < 0.7),

@@ -62,6 +62,7 @@ from torchrec_lookahead._compat import (
     UNIQUE,
     DispatchMode,
     fake_cuda_tensors,
+    has_fake_kernel,
     is_fake,
     op_schema,
     real_tensors,
@@ -73,7 +74,8 @@ __all__ = ["STUBBED", "FakeCuda", "Transfer"]
 aten = torch.ops.aten
 
 # FBGEMM operators without a fake kernel in a CPU build of FBGEMM (they have CPU
-# kernels only), given one here: the TBE's pooled forward, unweighted and weighted.
+# kernels only), given one here where missing: the TBE's pooled forward, unweighted and
+# weighted.
 STUBBED = (
     "fbgemm::split_embedding_codegen_forward_unweighted_pt2_wrapper",
     "fbgemm::split_embedding_codegen_forward_weighted_pt2_wrapper",
@@ -553,12 +555,14 @@ def _setitem(tensor: torch.Tensor, key: Any, value: Any) -> None:
 
 
 def _register_stubs() -> None:
-    """Fake kernels for :data:`STUBBED` (the pooled output ``[batch, total_D]``), once per
-    process: they only ever run on fake tensors."""
+    """Fake kernels for :data:`STUBBED` (the pooled output ``[batch, total_D]``) where
+    FBGEMM has none, once per process: they only ever run on fake tensors."""
     if _STUBS_REGISTERED:
         return
     library = torch.library.Library("fbgemm", "FRAGMENT")
     for name in STUBBED:
+        if has_fake_kernel(name):  # a CUDA build of FBGEMM has its own
+            continue
         schema = op_schema(getattr(torch.ops.fbgemm, name.split("::")[1]).default)
         torch.library.register_fake(name, _pooled_forward(schema), lib=library)
     _STUBS_REGISTERED.append(library)
