@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # make gpu-check: the CUDA path on a GPU. Never run where this project is developed (no
 # GPU there): on a machine without CUDA it says so and fails.
-set -euo pipefail
+#
+# Usage: gpu_check.sh [PYTHON] [OUT]. For a lent machine's short lease: GPU_BENCH_ARGS adds
+# arguments to benchmarks/gpu.py, GPU_PART_TIMEOUT (seconds) bounds each part. Every part
+# runs even when one before it failed; the last lines are one table of what passed, and
+# the exit status is non-zero if anything failed.
+set -uo pipefail
 py=${1:-.venv/bin/python}
 out=${2:-results/gpu_check}
 if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -9,25 +14,52 @@ if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   exit 1
 fi
 mkdir -p "$out"
-# The CUDA-marked tests, under torch's CUDA sanitizer (it reports kernels racing on
-# memory across streams: the side stream, the stage, the trainer).
-TORCH_CUDA_SANITIZER=1 "$py" -m pytest -q -m cuda -p no:cacheprovider tests/test_gpu.py \
-  2>&1 | tee "$out/tests.txt"
-# Two ranks over NCCL: hot rows (on, every row that saves bytes) with table-wise tables,
-# then with row-wise tables, each against plain TorchRec on the same plan. A rank per GPU
-# where there are two; with one GPU both ranks share it (the example places rank r on
-# GPU r mod count), which NCCL may refuse ("Duplicate GPU detected"): the log says so.
+export PYTHONUNBUFFERED=1
+"$py" -c "import torch, fbgemm_gpu, torchrec
+print('gpu-check:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
+      '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)" \
+  2>&1 | grep '^gpu-check:' | tee "$out/versions.txt"
+declare -a table=()
+part() {  # part NAME LOG COMMAND...: runs one part, logs it, records its outcome
+  local name=$1 log=$2
+  shift 2
+  local start=$SECONDS
+  timeout "${GPU_PART_TIMEOUT:-0}" "$@" >"$log" 2>&1
+  local rc=$?
+  [ $rc = 124 ] && echo "gpu-check: $name stopped after ${GPU_PART_TIMEOUT}s" >>"$log"
+  tail -n 25 "$log"
+  table+=("$(printf '%-36s %-6s %4ss' "$name" "$([ $rc = 0 ] && echo pass || echo FAIL)" $((SECONDS - start)))")
+  return 0
+}
+# The CUDA-marked tests: the unsharded cache under torch's CUDA sanitizer (it reports
+# kernels racing on memory across streams: the side stream, the stage, the trainer),
+# the benchmark, then the DLRM example (DMP over NCCL, three runs of it). The example
+# goes without the sanitizer: its loader's forked workers run torch operators, and the
+# sanitizer's hook then initialises CUDA in a forked child, which CUDA refuses.
+pytest=("$py" -m pytest -v -m cuda -p no:cacheprovider tests/test_gpu.py)
+part "cuda tests: the cache (sanitizer)" "$out/tests.txt" \
+  env TORCH_CUDA_SANITIZER=1 "${pytest[@]}" -k "not dlrm_example"
+# shellcheck disable=SC2086
+part "benchmarks/gpu.py" "$out/bench.txt" "$py" benchmarks/gpu.py --out "$out" ${GPU_BENCH_ARGS:-}
+part "cuda tests: the example" "$out/example.txt" "${pytest[@]}" -k dlrm_example
+# Two ranks over NCCL: hot rows with table-wise tables, then with row-wise tables, each
+# against plain TorchRec on the same plan. NCCL refuses two ranks on one GPU.
 gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
 tiny=(--scale 0.001 --synthetic_samples_per_day 8192 --batch_size 256 --limit_train_batches 40
       --limit_val_batches 2 --limit_test_batches 2 --baseline --adagrad
       --data_cache "$out/data")
 for job in "hot:--hot_rows" "row_wise:--hot_rows --sharding_type row_wise"; do
   name=${job%%:*}
-  echo "gpu-check: world size 2 over NCCL ($name, $gpus GPU(s))"
+  if [ "$gpus" -lt 2 ]; then
+    table+=("$(printf '%-36s %-6s %s' "two ranks over NCCL ($name)" "not run" "needs 2 GPUs, $gpus here")")
+    continue
+  fi
   # shellcheck disable=SC2086
-  "$py" -m torch.distributed.run --standalone --nproc_per_node 2 examples/dlrm/dlrm_main.py \
-    "${tiny[@]}" ${job#*:} --out "$out/ws2_$name" 2>&1 | tee "$out/ws2_$name.txt"
+  part "two ranks over NCCL ($name)" "$out/ws2_$name.txt" \
+    "$py" -m torch.distributed.run --standalone --nproc_per_node 2 examples/dlrm/dlrm_main.py \
+    "${tiny[@]}" ${job#*:} --out "$out/ws2_$name"
   grep -q "bitwise equal\|within 1e-05" "$out/ws2_$name.txt" \
-    || { echo "gpu-check: ws2 $name did not agree with plain TorchRec" >&2; exit 1; }
+    || table+=("two ranks over NCCL ($name): did not agree with plain TorchRec")
 done
-"$py" benchmarks/gpu.py --out "$out"
+printf '%s\n' "gpu-check summary" "${table[@]}" | tee "$out/summary.txt"
+! grep -q "FAIL\|did not agree" "$out/summary.txt"

@@ -1,10 +1,13 @@
 """The CUDA path on a GPU (``make gpu-check``; not collected by ``make test``).
 
-Marked ``cuda``: they need a GPU and have not been run where this project is
-developed (there is none; see the README). They compare against all-resident
-training bitwise, with deterministic algorithms on (``testing.determinism``):
-FBGEMM's CUDA backward sums long segments in a nondeterministic order
-otherwise.
+Marked ``cuda``: they need a GPU (run on a lent H200, see ``docs/results.md``). They
+compare against all-resident training bitwise, with deterministic algorithms on
+(``testing.determinism``): FBGEMM's CUDA backward sums long segments in a
+nondeterministic order otherwise. Deduplicated batches are the exception: FBGEMM's
+CUDA variable-batch backward (1.6) is not deterministic even so. Three all-resident
+runs of the same 40 batches differed from each other at 3-5 steps (SGD) and 39 steps
+(row-wise Adagrad), by at most 1.2e-7, so those runs are compared within float32
+rounding.
 """
 
 from __future__ import annotations
@@ -79,8 +82,12 @@ def test_unsharded_cuda_cache_matches_all_resident_training(dedup: bool, optimiz
             got.append(pipeline.progress(it))
         except StopIteration:
             break
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    assert_same_training_state(model, twin)
+    assert len(got) == len(expected)
+    if dedup:  # FBGEMM's variable-batch backward on CUDA: see the module's docstring
+        torch.testing.assert_close([g.detach() for g in got], [e.detach() for e in expected])
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert_same_training_state(model, twin, exact=not dedup)
 
 
 def test_dlrm_example_on_one_gpu_matches_plain_torchrec_through_a_checkpoint(tmp_path) -> None:

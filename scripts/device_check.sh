@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (the `device` tool; shared/notes/gpu-device.md): installs the
+# pieces scripts/device_pack.sh made beside the image's torch, then runs
+# scripts/gpu_check.sh and leaves its short results in $OUT (at most 8 files come back).
+#
+# Pieces arrive one per call (carry .gpu/p00, then .gpu/p01, ...; the last call carries
+# the last piece and .gpu/whl); a call before the last one can run `ls .gpu`.
+set -uo pipefail
+out=${OUT:-results/device}
+site=/tmp/site
+mkdir -p "$out"
+if [ ! -d "$site/fbgemm_gpu" ]; then
+  start=$SECONDS
+  mkdir -p "$site.part"
+  cat .gpu/p*/piece-* | xz -d -T0 | tar -C "$site.part" -xf - || { echo "unpack failed" >&2; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site.part" .gpu/whl/*.whl \
+    || exit 1
+  mv "$site.part" "$site"
+  echo "device-check: installed in $((SECONDS - start)) s"
+fi
+export PYTHONPATH=$site:$PWD
+nvidia-smi -L
+bash scripts/gpu_check.sh python3 /tmp/gpu_check
+rc=$?
+cp /tmp/gpu_check/{summary,versions,tests,bench,example}.txt /tmp/gpu_check/report.json "$out"/ 2>/dev/null
+exit $rc
