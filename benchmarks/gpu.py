@@ -11,9 +11,11 @@ at world size 1 over NCCL, table-wise. The settings:
 * ``lookahead``: this project's sharder and pipeline at the same fractions.
 
 A figure is the median step time after --warmup steps (CUDA synchronised around
-each step), and the peak HBM allocated. Prints one table, writes
-``OUT/report.json``. Needs a GPU (``make gpu-check`` runs it); has not been run
-where this project is developed.
+each step), and the peak HBM allocated; for lookahead also, per step after warm-up,
+how long the trainer waited for the stage's planned batch and the stage thread's CPU
+time (input dist and planning), which say whether the stage bounds the step. Prints
+one table, writes ``OUT/report.json``. Needs a GPU (``make gpu-check`` runs it; one
+run on an H200 is in ``docs/results.md``).
 """
 
 from __future__ import annotations
@@ -122,7 +124,10 @@ def measure(
     pipeline, data = build(kind, fraction, args, device)
     batches = iter([criteo_batch(data, s, args.batch_size) for s in range(args.steps)])
     times = []
+    split = Split(pipeline if kind == "lookahead" else None)
     while True:
+        if len(times) == args.warmup:
+            split.start()
         torch.cuda.synchronize(device)
         start = time.perf_counter()
         try:
@@ -139,7 +144,36 @@ def measure(
         "step_ms": 1000 * statistics.median(steady),
         "samples_per_s": args.batch_size / statistics.median(steady),
         "peak_hbm_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+        **split.per_step_ms(len(steady)),
     }
+
+
+class Split:
+    """Where a lookahead step's time goes, per step after warm-up: the trainer's wait for
+    the stage's next planned batch and for rows to land, and the stage thread's own CPU
+    (input dist and planning). Empty for the other settings."""
+
+    def __init__(self, pipeline: LookaheadTrainPipeline | None) -> None:
+        self._pipeline = pipeline
+        self._at_start: dict[str, float] = {}
+
+    def _now(self) -> dict[str, float]:
+        assert self._pipeline is not None
+        stage = {f"stage_cpu_{k}": v for k, v in self._pipeline.stage_timings.items()}
+        return {**self._pipeline.timings, **stage}
+
+    def start(self) -> None:
+        if self._pipeline is not None:
+            self._at_start = self._now()
+
+    def per_step_ms(self, steps: int) -> dict[str, float]:
+        if self._pipeline is None or not self._at_start or not steps:
+            return {}
+        now = self._now()
+        return {
+            k.removesuffix("_s") + "_ms": 1000 * (now[k] - self._at_start.get(k, 0.0)) / steps
+            for k in now
+        }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,12 +204,17 @@ def main(argv: list[str] | None = None) -> int:
         ]
     finally:
         dist.destroy_process_group()
-    print(f"{'setting':>10}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}")
+    print(
+        f"{'setting':>10}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}"
+        f"{'stage wait':>12}{'stage CPU':>11}"
+    )
     for r in results:
         share = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.0%}"
+        stage_cpu = sum(v for k, v in r.items() if k.startswith("stage_cpu_"))
+        wait, cpu = (f"{r['stage_ms']:.2f}", f"{stage_cpu:.2f}") if "stage_ms" in r else ("-", "-")
         print(
             f"{r['setting']:>10}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
-            f"{r['peak_hbm_mb']:>13,.0f}"
+            f"{r['peak_hbm_mb']:>13,.0f}{wait:>12}{cpu:>11}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
