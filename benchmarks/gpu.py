@@ -54,6 +54,7 @@ from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
 
 ALGORITHMS = {"uvm-lru": CacheAlgorithm.LRU, "uvm-lfu": CacheAlgorithm.LFU}
+STAGE_THREAD = {"default": None, "inline": False, "thread": True}  # --stage: stage_thread=
 
 
 def settings(fractions: list[float]) -> list[tuple[str, float | None]]:
@@ -111,7 +112,15 @@ def build(kind: str, fraction: float | None, args: argparse.Namespace, device: t
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     if kind == "lookahead":
-        return LookaheadTrainPipeline(dmp, optimizer, device, lookahead=args.lookahead), data
+        pipeline = LookaheadTrainPipeline(
+            dmp,
+            optimizer,
+            device,
+            lookahead=args.lookahead,
+            planning_workers=args.planning_workers,
+            stage_thread=STAGE_THREAD[args.stage],
+        )
+        return pipeline, data
     if kind in ALGORITHMS:
         return PrefetchTrainPipelineSparseDist(dmp, optimizer, device), data
     return TrainPipelineSparseDist(dmp, optimizer, device), data
@@ -186,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--lookahead", type=int, default=16)
+    p.add_argument(
+        "--stage",
+        choices=list(STAGE_THREAD),
+        default="default",
+        help="lookahead's stage: the library's default (inline on CUDA), or on its thread",
+    )
+    p.add_argument("--planning-workers", type=int, default=1, help="lookahead's planning threads")
     p.add_argument("--cache-fractions", type=float, nargs="+", default=[0.02, 0.05, 0.10])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
