@@ -129,3 +129,37 @@ def test_replicated_hot_rows_from_a_disk_store_train_like_plain_torchrec() -> No
 @pytest.mark.parametrize("hold", [0, 10], ids=["first-batch", "later-batch"])
 def test_a_model_traced_while_the_stage_distributes_a_batch_trains_exactly(hold: int) -> None:
     spawn(tracing_worker, (1, free_port(), hold), nprocs=1)
+
+
+def test_a_disk_store_is_refused_before_any_file_where_fbgemms_tbe_cannot_take_it(
+    tmp_path, monkeypatch
+) -> None:
+    """FBGEMM 1.6 (the lent GPU machine's) has no ``preallocated_host_buffers``: sharding a
+    collection with ``store_dir`` says so, and makes no file."""
+    import torch
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    import torchrec_lookahead.embedding.sharded as sharded
+    from torchrec_lookahead import (
+        LookaheadEmbeddingBagCollection,
+        LookaheadEmbeddingBagCollectionSharder,
+    )
+
+    tables = [
+        EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100, feature_names=["f"])
+    ]
+    store = tmp_path / "store"
+    module = LookaheadEmbeddingBagCollection(
+        tables, device=torch.device("meta"), store_dir=str(store)
+    )
+    sharder = LookaheadEmbeddingBagCollectionSharder()
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu")).plan(
+        module, [sharder]
+    )
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.setattr(sharded, "TBE_TAKES_HOST_BUFFERS", False)
+    with pytest.raises(ValueError, match="needs fbgemm_gpu 1.8 or newer"):
+        sharder.shard(module, plan.plan[""], ShardingEnv(world_size=1, rank=0, pg=None))
+    assert sorted(tmp_path.rglob("*")) == before
