@@ -53,8 +53,10 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The CUDA path on a GPU: the CUDA-marked tests under the CUDA sanitizer, then the GPU
-# benchmark's table. Not run where this project is developed (no GPU): it says so and fails.
+# The CUDA path on a GPU: the CUDA-marked tests (the cache's under the CUDA sanitizer), the
+# GPU benchmark's table, two ranks over NCCL where there are two GPUs. Without a GPU it says
+# so and fails. On a lent GPU machine with no package registry, scripts/device_pack.sh
+# (here) and scripts/device_check.sh (there) install its dependencies and run it instead.
 gpu-check: install
 	bash scripts/gpu_check.sh $(PY) results/gpu_check
 
