@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.optim import SGD, Adagrad, RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -134,9 +135,12 @@ class TwoModuleModel(nn.Module):
         return loss, logits.detach()
 
 
-def lookahead_model(optimizer: str, **cache: object) -> TwoModuleModel:
-    """The model with lookahead-cached modules; ``cache_rows`` may name tables of both;
-    with ``store_dir`` each module keeps a disk store in a directory of its own below it."""
+def lookahead_model(
+    optimizer: str, data_type: DataType = DataType.FP32, **cache: object
+) -> TwoModuleModel:
+    """The model with lookahead-cached modules of ``data_type`` tables; ``cache_rows`` may
+    name tables of both; with ``store_dir`` each module keeps a disk store in a directory
+    of its own below it."""
 
     def settings(tables: list[EmbeddingBagConfig]) -> dict[str, object]:
         names = {t.name for t in tables}
@@ -148,9 +152,13 @@ def lookahead_model(optimizer: str, **cache: object) -> TwoModuleModel:
             out["store_dir"].mkdir()
         return out
 
+    unweighted, weighted = (
+        [dataclasses.replace(t, data_type=data_type) for t in tables]
+        for tables in (UNWEIGHTED, WEIGHTED)
+    )
     model = TwoModuleModel(
-        LookaheadEmbeddingBagCollection(UNWEIGHTED, **settings(UNWEIGHTED)),
-        LookaheadEmbeddingBagCollection(WEIGHTED, is_weighted=True, **settings(WEIGHTED)),
+        LookaheadEmbeddingBagCollection(unweighted, **settings(unweighted)),
+        LookaheadEmbeddingBagCollection(weighted, is_weighted=True, **settings(weighted)),
     )
     for module in (model.unweighted, model.weighted):
         apply_optimizer_in_backward(OPTIMIZERS[optimizer][0], module.parameters(), {"lr": LR})

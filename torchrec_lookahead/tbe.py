@@ -1,8 +1,12 @@
 """FBGEMM's training TBE, built one way for the cache, the replicas and the baselines.
 
-Every TBE of the project holds FP32 tables on the compute device (``HOST`` on
+Every TBE of the project holds its tables on the compute device (``HOST`` on
 the CPU, ``DEVICE`` on CUDA) and runs a fused optimizer in its backward; only
-the tables, the feature map, the optimizer and its settings differ.
+the tables, their data type, the feature map, the optimizer and its settings
+differ. The data types are those FBGEMM's CPU TBE trains (:data:`TRAINED`):
+FP32, and FP16 (weights in half precision, optimizer state in FP32, as FBGEMM
+keeps it); its CPU kernels refuse the others (BF16, NFP8: no forward; INT8,
+INT4, INT2: no backward).
 """
 
 from __future__ import annotations
@@ -12,14 +16,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     ComputeDevice,
     SplitTableBatchedEmbeddingBagsCodegen,
 )
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 
-__all__ = ["set_learning_rate", "training_tbe"]
+__all__ = ["TRAINED", "check_trained", "set_learning_rate", "training_tbe"]
+
+# The tables' data types FBGEMM's TBE trains on the CPU, and the TBE precision of each.
+TRAINED = {DataType.FP32: SparseType.FP32, DataType.FP16: SparseType.FP16}
 
 _ACCEPTED = set(inspect.signature(SplitTableBatchedEmbeddingBagsCodegen).parameters)
 
@@ -33,8 +41,10 @@ def training_tbe(
     pooling: PoolingMode = PoolingMode.SUM,
     feature_table_map: Sequence[int] | None = None,
     features_per_table: int = 1,
+    data_type: DataType = DataType.FP32,
 ) -> SplitTableBatchedEmbeddingBagsCodegen:
-    """A TBE of tables of ``rows[t]`` rows and ``dims`` (one width, or one per table) columns.
+    """A TBE of ``data_type`` tables of ``rows[t]`` rows and ``dims`` (one width, or one per
+    table) columns.
 
     ``params`` are the fused optimizer's settings as TorchRec passes them to FBGEMM
     (those FBGEMM's constructor does not take are left out). Features map to tables by
@@ -52,8 +62,22 @@ def training_tbe(
         optimizer=optimizer,
         pooling_mode=pooling,
         device=device,
+        weights_precision=TRAINED[data_type],
         **{k: v for k, v in params.items() if k in _ACCEPTED},
     )
+
+
+def check_trained(tables: Sequence[EmbeddingBagConfig]) -> None:
+    """Raise ``ValueError`` naming the first of ``tables`` whose data type FBGEMM's TBE
+    cannot train (see :data:`TRAINED`), before anything is built for them."""
+    for table in tables:
+        if table.data_type not in TRAINED:
+            trained = ", ".join(t.value for t in TRAINED)
+            raise ValueError(
+                f"table {table.name}: data type {table.data_type.value} is not trained with "
+                f"lookahead caching, which trains {trained} (what FBGEMM's TBE trains on "
+                "the CPU); give the table one of those"
+            )
 
 
 def set_learning_rate(tbe: SplitTableBatchedEmbeddingBagsCodegen, rate: float) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torchrec.modules.embedding_configs import DataType
 
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead._compat import split_pooled_tables
@@ -39,7 +40,8 @@ class CacheTable:
     ``.data`` so that a move may run while a step's backward is still pending:
     the plan guarantees the moved slots are not the ones that step uses. A
     pool's ids are its tables' rows, offset (see :class:`SlotPool`); the store
-    is addressed per table.
+    is addressed per table. Rows are cached in the tables' ``data_type`` (the
+    store's), their optimizer state in the type FBGEMM keeps for it.
 
     ``slot_ids[p][k]`` is the pool id in slot ``k`` of pool ``p`` (-1 if
     empty), as applied so far; it is what :meth:`write_back_all` and
@@ -56,6 +58,7 @@ class CacheTable:
         device: torch.device,
         pooling: PoolingMode = PoolingMode.SUM,
         fbgemm_params: dict[str, Any] | None = None,
+        data_type: DataType = DataType.FP32,
     ) -> None:
         self.device = device
         self.store = store
@@ -67,6 +70,7 @@ class CacheTable:
         self._optimizer = optimizer
         self._pooling = pooling
         self._fbgemm_params = dict(fbgemm_params or {})
+        self._data_type = data_type
         self._lock = threading.Lock()
         self._side = streams.side_stream(device)  # where rows move, beside the trainer's work
         self.resize(slots)
@@ -89,6 +93,7 @@ class CacheTable:
                 self.device,
                 self._pooling,
                 feature_table_map=self._feature_pools,
+                data_type=self._data_type,
             )
             split_pooled_tables(self.tbe, self._feature_tables, self._feature_pools, slots)
             self._weights = [w.data for w in self.tbe.split_embedding_weights()]

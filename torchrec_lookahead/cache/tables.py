@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_lookahead.streams as streams
@@ -44,7 +45,7 @@ from torchrec_lookahead.types import (
 )
 from torchrec_lookahead.variable_batch import check_variable_batch_optimizer
 
-__all__ = ["CachedTables"]
+__all__ = ["CachedTables", "enter_groups", "finish_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class CachedTables:
         table_slots: the slots each table brings to its pool.
         store: the full tables (and optimizer state) behind the cache.
         optimizer, device, pooling, fbgemm_params: the cache TBE's settings.
+        data_type: the tables' data type (one per group, as TorchRec groups a TBE's
+            tables): the cache holds rows in it.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class CachedTables:
         device: torch.device,
         pooling: PoolingMode = PoolingMode.SUM,
         fbgemm_params: dict[str, Any] | None = None,
+        data_type: DataType = DataType.FP32,
     ) -> None:
         self.names = list(names)
         self.num_rows = list(num_rows)
@@ -92,6 +96,7 @@ class CachedTables:
             device,
             pooling,
             fbgemm_params,
+            data_type,
         )
         tables = np.asarray(feature_tables, dtype=np.int64)
         pool_of_table = np.empty(len(names), dtype=np.int64)
@@ -364,6 +369,31 @@ class CachedTables:
         ]
         self._steps += 1
         return StepPlan(step, moves, {self: step_slots})
+
+
+def enter_groups(
+    groups: Sequence[CachedTables], prepared: Sequence[PreparedGroup]
+) -> StepPlan | None:
+    """A batch prepared by each of a module's ``groups`` enters their windows; returns the
+    step now complete, its plans of every group merged (the groups plan in lockstep)."""
+    return _merged([group.enter(p) for group, p in zip(groups, prepared)])
+
+
+def finish_groups(groups: Sequence[CachedTables]) -> list[StepPlan]:
+    """End of the data for a module's ``groups``: the steps still to plan, merged."""
+    per_group = [group.finish() for group in groups]
+    return [merged for step in zip(*per_group) if (merged := _merged(list(step)))]
+
+
+def _merged(planned: list[StepPlan | None]) -> StepPlan | None:
+    """One step's plans from several groups."""
+    steps = [p for p in planned if p is not None]
+    if not steps:
+        return None
+    merged = StepPlan(steps[0].step)
+    for step in steps:
+        merged.merge(step)
+    return merged
 
 
 _COUNTERS = ("lookups", "unique_ids", "misses", "rows_fetched", "rows_written_back", "bytes_moved")

@@ -11,7 +11,7 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.distributed.utils import merge_fused_params, optimizer_type_to_emb_opt_type
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     get_embedding_names_by_table,
@@ -19,10 +19,11 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import in_backward_optimizers
-from torchrec_lookahead.cache.tables import CachedTables
+from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import HostStore, MmapStore
+from torchrec_lookahead.tbe import check_trained
 from torchrec_lookahead.types import CacheSizing, ModuleInput, StepContext, StepPlan, Window
 from torchrec_lookahead.variable_batch import (
     expand_pooled,
@@ -30,7 +31,7 @@ from torchrec_lookahead.variable_batch import (
     tbe_batch_sizes,
 )
 
-__all__ = ["LookaheadEmbeddingBagCollection"]
+__all__ = ["LookaheadEmbeddingBagCollection", "not_sharded"]
 
 _POOLING = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
 
@@ -42,8 +43,10 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     tables stay in host memory as the module's parameters (the backing
     store); a FBGEMM TBE of cache slots on ``device`` does the lookups and the
     fused optimizer update, and rows move between the two (with their
-    optimizer state) as the oracle plans. Tables of equal dimension share
-    their slots: each brings its share to one pool, planned by one oracle. Training goes through
+    optimizer state) as the oracle plans. Tables of one data type are cached
+    together (one cache TBE per type, as TorchRec groups its TBEs); among them
+    tables of equal dimension share their slots: each brings its share to one
+    pool, planned by one oracle. Training goes through
     :class:`~torchrec_lookahead.pipeline.LookaheadTrainPipeline`, which owns
     the lookahead window; in eval mode (or without grad) the module looks up
     the current weights directly.
@@ -58,8 +61,8 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     ``load_state_dict()`` writes into the store and reloads the cached rows.
 
     Args:
-        tables: as for ``EmbeddingBagCollection`` (FP32, SUM or MEAN pooling,
-            the same pooling for every table).
+        tables: as for ``EmbeddingBagCollection`` (FP32 or FP16, what FBGEMM's
+            TBE trains; SUM or MEAN pooling, the same for every table).
         is_weighted: as for ``EmbeddingBagCollection``.
         device: where the cache and the lookups live; the full tables are on
             the host (or on ``meta`` when ``device`` is meta, for sharding).
@@ -94,6 +97,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         min_cache_rows: int = 1,
         store_dir: str | os.PathLike | None = None,
     ) -> None:
+        check_trained(tables)
         sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}), min_cache_rows)
         names = [t.name for t in tables]
         unknown = sorted(set(sizing.cache_rows) - set(names))
@@ -109,6 +113,13 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
                 "are mapped host memory, and pinning them for a GPU would copy "
                 "every table into RAM"
             )
+        if store_dir is not None:
+            for table in tables:
+                if table.data_type != DataType.FP32:
+                    raise ValueError(
+                        f"table {table.name}: a disk store holds FP32 tables for now, not "
+                        f"{table.data_type.value}; keep it in host memory (no store_dir)"
+                    )
         host = compute if compute.type == "meta" else torch.device("cpu")
         self.store_dir = None if store_dir is None else Path(store_dir)
         files = None
@@ -121,12 +132,22 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         self.sizing = sizing
         self._fused_params = dict(fused_params or {})
         self._pooling = _POOLING[poolings.pop()]
-        self._flat_features = [f for t in tables for f in t.feature_names]
-        self._feature_tables = [i for i, t in enumerate(tables) for _ in t.feature_names]
+        # Tables of one data type, in table order, per cache group; groups in order of
+        # their first table. Lookups run group after group.
+        by_type: dict[DataType, list[int]] = {}
+        for i, table in enumerate(tables):
+            by_type.setdefault(table.data_type, []).append(i)
+        self._groups = list(by_type.values())
+        lookup = [i for group in self._groups for i in group]
+        self._flat_features = [f for i in lookup for f in tables[i].feature_names]
+        self._group_features = [sum(len(tables[i].feature_names) for i in g) for g in self._groups]
+        in_lookup = [tables[i] for i in lookup]
+        self._lookup_dims = [t.embedding_dim for t in in_lookup for _ in t.feature_names]
         # The output's keys and widths, as EmbeddingBagCollection lays them out.
         self._output_keys = [k for names in get_embedding_names_by_table(tables) for k in names]
         self._output_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        self._cached: CachedTables | None = None  # built at the first attach
+        self._columns = _output_columns(tables, lookup)
+        self._cached: list[CachedTables] = []  # one per group, built at the first attach
         self.input_dist_s = 0.0  # an unsharded module distributes nothing
         if files is not None:
             try:
@@ -186,14 +207,16 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     @property
     def metrics(self) -> list[CacheMetrics]:
         """Per-table counters (zero until training starts)."""
-        if self._cached is None:
-            return [CacheMetrics() for _ in self.embedding_bag_configs()]
-        return self._cached.metrics
+        metrics = [CacheMetrics() for _ in self.embedding_bag_configs()]
+        for tables, group in zip(self._groups, self._cached):
+            for table, counted in zip(tables, group.metrics):
+                metrics[table] = counted
+        return metrics
 
     @property
     def cached_groups(self) -> list[CachedTables]:
-        """The group of cached tables (one, once training has started)."""
-        return [self._cached] if self._cached is not None else []
+        """The groups of cached tables, one per data type (once training has started)."""
+        return list(self._cached)
 
     def cache_metrics(self) -> dict[str, CacheMetrics]:
         """Counters per table name."""
@@ -202,10 +225,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def attach(self, window: Window) -> None:
         """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""
         if self._compute_device.type == "meta":
-            raise ValueError("a module on the meta device must be sharded (DMP) before training")
-        if self._cached is None:
-            self._cached = self._build_cache()
-        self._cached.attach(window)
+            raise not_sharded(self, "a module on the meta device")
+        if not self._cached:
+            self._cached = [self._build_cache(tables) for tables in self._groups]
+        for group in self._cached:
+            group.attach(window)
 
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """This module's features of ``features``, in lookup order (a deduplicated
@@ -232,35 +256,43 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         """
         if refusal is not None:
             raise refusal
-        return ModuleInput([self._attached.prepare(self.select(features), step)])
+        parts = self._group_parts(self.select(features))
+        return ModuleInput([g.prepare(part, step) for g, part in zip(self._attached, parts)])
 
     def enter(self, prepared: ModuleInput) -> StepPlan | None:
         """A prepared batch enters the window; returns the plan of a step now complete."""
-        return self._attached.enter(prepared.groups[0])
+        return enter_groups(self._attached, prepared.groups)
 
     def finish(self) -> list[StepPlan]:
         """End of the data: the steps still to plan, with shorter windows."""
-        return self._attached.finish()
+        return finish_groups(self._attached)
 
     def begin_step(self, context: StepContext) -> None:
-        """The next forward runs ``context``'s step (its lookup takes the slots from there)."""
-        self._attached.begin_step(context)
+        """The next forward runs ``context``'s step (its lookups take the slots from there)."""
+        for group in self._attached:
+            group.begin_step(context)
 
     def write_back(self) -> None:
         """Write updated cache rows back to the store (the rows stay cached)."""
-        if self._cached is not None:
-            self._cached.write_back()
+        for group in self._cached:
+            group.write_back()
 
     @property
-    def _attached(self) -> CachedTables:
-        if self._cached is None:
+    def _attached(self) -> list[CachedTables]:
+        if not self._cached:
             raise RuntimeError("the module trains through a LookaheadTrainPipeline (attach first)")
         return self._cached
+
+    def _group_parts(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        """``features`` (in lookup order) split into each cache group's features."""
+        if len(self._groups) == 1:
+            return [features]
+        return features.split(self._group_features)
 
     # -------------------------------------------------------------- module
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if self._cached is None or self._cached.context is None:
+        if not self._cached or self._cached[0].context is None:
             if self.training and torch.is_grad_enabled():
                 raise RuntimeError(
                     "LookaheadEmbeddingBagCollection trains through LookaheadTrainPipeline; "
@@ -274,13 +306,22 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
                 values=pooled.values().to(self._compute_device),
             )
         features = self.select(features)
-        pooled = self._cached.lookup(
-            features.offsets().to(self._compute_device),
-            features.values().numel(),
-            features.weights().to(self._compute_device) if self.is_weighted() else None,
-            **tbe_batch_sizes(features),
+        device = self._compute_device
+        pooled = torch.cat(
+            [
+                group.lookup(
+                    part.offsets().to(device),
+                    part.values().numel(),
+                    part.weights().to(device) if self.is_weighted() else None,
+                    **tbe_batch_sizes(part),
+                )
+                for group, part in zip(self._cached, self._group_parts(features))
+            ],
+            dim=-1,  # groups' columns (or, flat variable-batch outputs, blocks) in lookup order
         )
-        pooled = expand_pooled(pooled, features, self._output_dims)
+        pooled = expand_pooled(pooled, features, self._lookup_dims)
+        if self._columns is not None:  # the groups' columns back in table order
+            pooled = pooled.index_select(1, self._columns.to(pooled.device))
         return KeyedTensor(keys=self._output_keys, length_per_key=self._output_dims, values=pooled)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -290,35 +331,40 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def optimizer_states(self) -> list[list[torch.Tensor]]:
         """Per table, the full optimizer state tensors (cache written back first)."""
         self.write_back()
-        return [list(s) for s in self._cached.cache.store.states] if self._cached else []
+        states: dict[int, list[torch.Tensor]] = {}
+        for tables, group in zip(self._groups, self._cached):
+            states.update((t, list(s)) for t, s in zip(tables, group.cache.store.states))
+        return [states[t] for t in sorted(states)]
 
     # ------------------------------------------------------------ internals
 
-    def _build_cache(self) -> CachedTables:
+    def _build_cache(self, tables: list[int]) -> CachedTables:
+        """The cache group of ``tables`` (indices; one data type), its store their rows."""
         params = self.fused_config()
         optimizer = params.pop("optimizer")
+        configs = [self.embedding_bag_configs()[t] for t in tables]
         # On CUDA the tables stay pageable: rows move through pinned staging buffers (the
         # store's), so no table is copied into page-locked memory.
         on_cuda = self._compute_device.type == "cuda"
-        weights = [bag.weight for bag in self.embedding_bags.values()]
+        weights = [self.embedding_bags[t.name].weight for t in configs]
         store: HostStore
         if self._store_files is not None:
-            names = [t.name for t in self.embedding_bag_configs()]
-            store = MmapStore(self._store_files, names, weights)
+            store = MmapStore(self._store_files, [t.name for t in configs], weights)
         else:
             store = HostStore(weights, pin=on_cuda)
-        configs = self.embedding_bag_configs()
+        slots = self.cache_rows()
         cached = CachedTables(
             [t.name for t in configs],
             [t.num_embeddings for t in configs],
             [t.embedding_dim for t in configs],
-            self._feature_tables,
-            self.cache_rows(),
+            [k for k, t in enumerate(configs) for _ in t.feature_names],
+            [slots[t] for t in tables],
             store,
             optimizer,
             self._compute_device,
             self._pooling,
             params,
+            configs[0].data_type,
         )
         store.allocate_states(cached.cache.state_shapes())
         return cached
@@ -344,8 +390,37 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             config.init_fn(self.embedding_bags[config.name].weight)
 
     def _reload_cache(self) -> None:
-        if self._cached is not None:
-            self._cached.cache.refresh()
+        for group in self._cached:
+            group.cache.refresh()
+
+
+def not_sharded(module: LookaheadEmbeddingBagCollection, where: str) -> ValueError:
+    """The error for a lookahead collection that reached training without its sharder.
+
+    Left unsharded under ``DistributedModelParallel``, it would be wrapped as a dense
+    module: every rank would keep and train its own copy of every table.
+    """
+    kind = type(module).__name__
+    return ValueError(
+        f"{where}: this {kind} was not sharded by a lookahead sharder, so it cannot train "
+        f"as TorchRec's sharded tables do (under DistributedModelParallel each rank would keep "
+        f"and train its own copy of every table); pass sharders=[{kind}Sharder()], or "
+        f"lookahead_sharders() for a model that also holds plain TorchRec modules, to "
+        f"DistributedModelParallel and to the planner"
+    )
+
+
+def _output_columns(tables: list[EmbeddingBagConfig], lookup: list[int]) -> torch.Tensor | None:
+    """Where each output column of ``EmbeddingBagCollection``'s layout (tables in order)
+    lies in the lookups' output (tables in ``lookup`` order); ``None`` if in place."""
+    if lookup == sorted(lookup):
+        return None
+    start, first = 0, {}
+    for i in lookup:
+        first[i] = start
+        start += len(tables[i].feature_names) * tables[i].embedding_dim
+    widths = [len(t.feature_names) * t.embedding_dim for t in tables]
+    return torch.cat([torch.arange(first[i], first[i] + w) for i, w in enumerate(widths)])
 
 
 DRAW_CHUNK = 1 << 22  # elements per normal_ call when replaying a table's init draws

@@ -112,6 +112,7 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
             device,
             self.pooling,
             params,
+            config.data_type,
         )
         self.use_fused_optimizer(CacheAwareFusedOptimizer(config, self.store_tbe, pg, self))
 

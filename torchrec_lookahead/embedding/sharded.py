@@ -27,7 +27,7 @@ from torchrec_lookahead._compat import (
     GatheredOutput,
     ShardedCollectionBase,
 )
-from torchrec_lookahead.cache.tables import CachedTables
+from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.embedding.kernel import LookaheadFusedEmbeddingBag
@@ -252,12 +252,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             raise error
 
     def enter(self, prepared: ModuleInput) -> StepPlan | None:
-        planned = [g.enter(p) for g, p in zip(self.cached_groups, prepared.groups)]
-        return _merge(planned)
+        return enter_groups(self.cached_groups, prepared.groups)
 
     def finish(self) -> list[StepPlan]:
-        per_group = [group.finish() for group in self.cached_groups]
-        return [merged for step in zip(*per_group) if (merged := _merge(list(step)))]
+        return finish_groups(self.cached_groups)
 
     def begin_step(self, context: StepContext) -> None:
         """The next forward runs ``context``'s step: it takes from there the input the stage
@@ -305,17 +303,6 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         """The tables were loaded: every cache refreshes from its store."""
         for group in self.cached_groups:
             group.cache.refresh()
-
-
-def _merge(planned: list[StepPlan | None]) -> StepPlan | None:
-    """One step's plans from every group (the groups plan in lockstep)."""
-    steps = [p for p in planned if p is not None]
-    if not steps:
-        return None
-    merged = StepPlan(steps[0].step)
-    for step in steps:
-        merged.merge(step)
-    return merged
 
 
 def vote(error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device) -> None:

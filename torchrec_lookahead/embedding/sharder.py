@@ -33,6 +33,7 @@ from torchrec_lookahead.embedding.hot.collection import HotRowsEmbeddingBagColle
 from torchrec_lookahead.embedding.hot.sharded import ShardedHotRowsEmbeddingBagCollection
 from torchrec_lookahead.embedding.kernel import LookaheadFusedEmbeddingBag
 from torchrec_lookahead.embedding.sharded import ShardedLookaheadEmbeddingBagCollection
+from torchrec_lookahead.tbe import check_trained
 
 __all__ = [
     "HotRowsEmbeddingBagCollectionSharder",
@@ -75,6 +76,9 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedLookaheadEmbeddingBagCollection:
+        # Its tables' types may have changed since the module was built: checked before
+        # TorchRec's sharding builds any TBE.
+        check_trained(module.embedding_bag_configs())
         for name, sharding in params.items():
             shards = sharding.sharding_spec.shards if sharding.sharding_spec else []
             empty = [

@@ -24,8 +24,9 @@ class HostStore:
     The weight tensors are the module's own full-table parameters (shared, not
     copied), so ``state_dict()`` reads the store directly once the cache has
     been written back. Optimizer state is allocated when the fused optimizer
-    is known (:meth:`allocate_states`), zero like FBGEMM's, or wraps existing
-    state tensors (``states[t]``, per table). With a CUDA cache (``pin``),
+    is known (:meth:`allocate_states`), zero and FP32 like FBGEMM's (for FP16
+    tables too), or wraps existing state tensors (``states[t]``, per table).
+    With a CUDA cache (``pin``),
     rows move through pinned staging buffers, so copies to and from the device
     can be async while the tables themselves stay pageable (pinning whole tables
     would copy each into page-locked memory, rounded up by the caching host
@@ -129,8 +130,9 @@ class HostStore:
             dst.index_copy_(0, index, streams.to_device(src, dst.device))
 
     def bytes_per_row(self, table: int) -> int:
-        row = self.weights[table][0].numel() + sum(s[0].numel() for s in self.states[table])
-        return 4 * row
+        """Bytes one row of ``table`` moves: its weights (in the table's type) and state."""
+        tensors = (self.weights[table], *self.states[table])
+        return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
 def _back_to_back(tensors: list[torch.Tensor]) -> torch.Tensor | None:

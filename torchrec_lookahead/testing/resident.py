@@ -27,6 +27,7 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
     not) so that both train from the same point, and it quacks like one for
     TorchRec models (``embedding_bag_configs()``, ``KeyedTensor`` output,
     deduplicated batches expanded as ``EmbeddingBagCollection`` expands them).
+    Its tables share one data type (FP32 or FP16), the TBE's.
 
     Args:
         like: the collection whose tables, features and weights to copy.
@@ -49,6 +50,9 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
         self._dims = [t.embedding_dim for t in self._configs for _ in t.feature_names]
         params = dict(fused_params)
         pooling = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
+        data_types = {t.data_type for t in self._configs}
+        if len(data_types) > 1:  # TorchRec would give each type a TBE of its own
+            raise ValueError(f"one TBE holds tables of one data type, not {data_types}")
         self.tbe = training_tbe(
             [t.num_embeddings for t in self._configs],
             [t.embedding_dim for t in self._configs],
@@ -57,6 +61,7 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
             device,
             pooling[self._configs[0].pooling],
             feature_table_map=[i for i, t in enumerate(self._configs) for _ in t.feature_names],
+            data_type=data_types.pop(),
         )
         source = like.state_dict()
         for config, weight in zip(self._configs, self.tbe.split_embedding_weights()):

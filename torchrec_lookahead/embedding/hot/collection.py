@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.embedding.hot.layout import check_hot_rows
@@ -54,6 +54,9 @@ def _check_replicable(tables: list[EmbeddingBagConfig], is_weighted: bool) -> No
     problems = []
     if is_weighted:
         problems.append("weighted features (a hot id's weight would have to travel too)")
+    types = sorted({t.data_type.value for t in tables} - {DataType.FP32.value})
+    if types:
+        problems.append(f"{', '.join(types)} tables (the replicas hold FP32 rows)")
     if any(t.pooling != PoolingType.SUM for t in tables):
         problems.append("MEAN pooling (a bag's mean needs its cold and hot ids together)")
     if len({t.embedding_dim for t in tables}) > 1:
