@@ -2,7 +2,7 @@
 
 from planners.cost import TableCacheCost, optimizer_state_floats
 from planners.hot import HotRowsProposal, LinkCost, hot_rows_report, propose_hot_rows
-from planners.planner import lookahead_planner, plan_report
+from planners.planner import LookaheadShardingPlanner, lookahead_planner, plan_report
 from planners.proposer import CacheProposal, LookaheadCacheProposer
 from planners.statistics import LOAD_FACTOR_GRID, LookaheadCacheStatistics
 
@@ -12,6 +12,7 @@ __all__ = [
     "HotRowsProposal",
     "LookaheadCacheProposer",
     "LookaheadCacheStatistics",
+    "LookaheadShardingPlanner",
     "TableCacheCost",
     "hot_rows_report",
     "lookahead_planner",

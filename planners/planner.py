@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -20,7 +21,25 @@ from planners.estimators import LookaheadPerfEstimator, LookaheadStorageEstimato
 from planners.proposer import CacheProposal, LookaheadCacheProposer
 from planners.statistics import LookaheadCacheStatistics
 
-__all__ = ["lookahead_planner", "plan_report"]
+__all__ = ["LookaheadShardingPlanner", "lookahead_planner", "plan_report"]
+
+
+class LookaheadShardingPlanner(EmbeddingShardingPlanner):
+    """TorchRec's ``EmbeddingShardingPlanner``, with what it plans with in view: its
+    enumerator (and the lookahead estimators in it) and the constraints per table."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        batch_size: int,
+        enumerator: EmbeddingEnumerator,
+        constraints: dict[str, ParameterConstraints],
+    ) -> None:
+        super().__init__(
+            topology=topology, batch_size=batch_size, enumerator=enumerator, constraints=constraints
+        )
+        self.enumerator = enumerator
+        self.constraints = constraints
 
 
 def lookahead_planner(
@@ -32,7 +51,7 @@ def lookahead_planner(
     step_compute_ms: float,
     cache_budget_bytes: int | None = None,
     constraints: Mapping[str, ParameterConstraints] | None = None,
-) -> tuple[EmbeddingShardingPlanner, CacheProposal]:
+) -> tuple[LookaheadShardingPlanner, CacheProposal]:
     """A planner for models with ``LookaheadEmbeddingBagCollection`` modules, and its cache sizes.
 
     Every table with ``statistics`` gets the cache load factor the
@@ -49,7 +68,9 @@ def lookahead_planner(
         optimizer: the fused optimizer (its state travels with the rows).
         step_compute_ms: a step's compute time, which prefetches hide behind.
         cache_budget_bytes: device memory for all caches (None: grow until stall-free).
-        constraints: other constraints per table (sharding types, ...), kept.
+        constraints: the user's constraints per table: every field of them and of their
+            ``cache_params`` is kept but ``cache_params.load_factor`` and ``.stats``,
+            which the planner sets (in copies; ``planner.constraints`` holds them).
     """
     missing = sorted({t.name for t in tables} - set(statistics))
     if missing:
@@ -71,21 +92,14 @@ def lookahead_planner(
     merged = dict(constraints or {})
     for name, clf in proposal.load_factors.items():
         base = merged.get(name, ParameterConstraints())
-        merged[name] = ParameterConstraints(
-            sharding_types=base.sharding_types,
-            compute_kernels=base.compute_kernels,
-            min_partition=base.min_partition,
-            pooling_factors=base.pooling_factors,
-            cache_params=CacheParams(load_factor=clf, stats=statistics[name]),
-        )
+        cache = replace(base.cache_params or CacheParams(), load_factor=clf, stats=statistics[name])
+        merged[name] = replace(base, cache_params=cache)
     estimators = [
         LookaheadPerfEstimator(topology, costs, merged),
         LookaheadStorageEstimator(topology, costs, merged),
     ]
     enumerator = EmbeddingEnumerator(topology, batch_size, constraints=merged, estimator=estimators)
-    planner = EmbeddingShardingPlanner(
-        topology=topology, batch_size=batch_size, enumerator=enumerator, constraints=merged
-    )
+    planner = LookaheadShardingPlanner(topology, batch_size, enumerator, merged)
     return planner, proposal
 
 

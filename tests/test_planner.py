@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torchrec.distributed.planner import Topology
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
+from fbgemm_gpu.tbe.cache.cache_config import MultiPassPrefetchConfig
+from torchrec.distributed.planner import ParameterConstraints, Topology
+from torchrec.distributed.types import CacheParams, KeyValueParams
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.types import DataType
 
 from planners import (
     LookaheadCacheProposer,
@@ -201,3 +208,102 @@ def test_optimizer_state_is_known_for_fbgemms_optimizers_and_torchrecs_classes()
     assert optimizer_state_floats(Adagrad, 16) == 16
     with pytest.raises(ValueError, match="is not known here"):
         optimizer_state_floats(EmbOptimType.LAMB, 16)
+
+
+def non_default(cls: type, values: dict[str, Any]) -> None:
+    """``values`` sets every field of the dataclass ``cls`` (one a newer TorchRec adds
+    too) to something other than its default."""
+    assert set(values) == {f.name for f in fields(cls)}, f"give every {cls.__name__} field a value"
+    for f in fields(cls):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        assert values[f.name] != default, f"{cls.__name__}.{f.name} is at its default"
+
+
+def test_every_user_constraint_survives_into_the_enumeration() -> None:
+    """Every field of the user's ``ParameterConstraints`` and ``CacheParams`` reaches the
+    sharding options TorchRec's enumerator makes and the constraints its estimators read;
+    only the cache's load factor and statistics are the planner's."""
+    table = EmbeddingBagConfig(
+        name="t0", embedding_dim=16, num_embeddings=2000, feature_names=["c0"]
+    )
+    data = SyntheticCriteo(table_sizes=(2000,), zipf_exponent=1.1, seed=3)
+    ours, theirs = (
+        LookaheadCacheStatistics(data.table_streams(batch, 8)[0], 2000, 4, 1, "t0")
+        for batch in (64, 16)
+    )
+    cache = {
+        "algorithm": CacheAlgorithm.LFU,
+        "load_factor": 0.75,
+        "reserved_memory": 1.5,
+        "precision": DataType.FP16,
+        "prefetch_pipeline": True,
+        "stats": theirs,
+        "multipass_prefetch_config": MultiPassPrefetchConfig(num_passes=3),
+    }
+    user = {
+        "sharding_types": ["column_wise"],
+        "compute_kernels": ["fused"],
+        "min_partition": 8,
+        "pooling_factors": [3.0],
+        "num_poolings": [2.0],
+        "batch_sizes": [48],
+        "is_weighted": True,
+        "cache_params": CacheParams(**cache),
+        "enforce_hbm": True,
+        "stochastic_rounding": False,
+        "bounds_check_mode": BoundsCheckMode.IGNORE,
+        "feature_names": ["c0"],
+        "output_dtype": DataType.FP16,
+        "device_group": "cpu",
+        "key_value_params": KeyValueParams(max_l1_cache_size=1, l2_cache_size=2),
+        "use_virtual_table": True,
+    }
+    non_default(ParameterConstraints, user)
+    non_default(CacheParams, cache)
+    planner, proposal = lookahead_planner(
+        Topology(world_size=2, compute_device="cpu"),
+        48,
+        [table],
+        {"t0": ours},
+        EmbOptimType.EXACT_SGD,
+        step_compute_ms=1.0,
+        constraints={"t0": (given := ParameterConstraints(**user))},
+    )
+    assert given.cache_params is user["cache_params"] and given.cache_params.load_factor == 0.75
+    planned = {**cache, "load_factor": proposal.load_factors["t0"], "stats": ours}
+    assert planned["load_factor"] != cache["load_factor"]
+
+    def dropped(constraints: ParameterConstraints | None) -> list[str]:
+        assert constraints is not None
+        lost = [k for k, v in user.items() if k != "cache_params" and getattr(constraints, k) != v]
+        params = constraints.cache_params
+        return lost + [
+            f"cache_params.{k}"
+            for k, v in planned.items()
+            if params is None or getattr(params, k) != v  # stats: the very object
+        ]
+
+    lost = dropped(planner.constraints.get("t0"))  # given to TorchRec's planner and enumerator
+    assert not lost, f"the constraints TorchRec plans with lost {lost}"
+
+    ebc = LookaheadEmbeddingBagCollection([table], device=torch.device("meta"))
+    options = planner.enumerator.enumerate(ebc, [LookaheadEmbeddingBagCollectionSharder()])
+    assert options
+    for option in options:
+        assert option.sharding_type == "column_wise" and option.compute_kernel == "fused"
+        assert [shard.size[1] for shard in option.shards] == [8, 8]  # min_partition
+        assert option.input_lengths == user["pooling_factors"]
+        for name in (
+            "enforce_hbm",
+            "stochastic_rounding",
+            "bounds_check_mode",
+            "feature_names",
+            "output_dtype",
+            "key_value_params",
+        ):  # what the enumerator copies onto its options; the rest, estimators read above
+            assert getattr(option, name) == user[name], name
+        params = option.cache_params  # a deep copy: the statistics are compared by value
+        assert params is not None and params.stats is not None
+        assert params.stats.expected_lookups == ours.expected_lookups != theirs.expected_lookups
+        for k, v in planned.items():
+            assert k == "stats" or getattr(params, k) == v, f"cache_params.{k}"
