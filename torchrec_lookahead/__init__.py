@@ -1,7 +1,8 @@
 """torchrec-lookahead: lookahead (oracle) embedding caching for TorchRec.
 
 The oracle and the metrics import without torch; the TorchRec-facing classes
-import torch, FBGEMM and TorchRec (seconds) on first use.
+import torch, FBGEMM and TorchRec (seconds) on first use, and the device oracle
+torch.
 """
 
 from typing import TYPE_CHECKING
@@ -19,12 +20,14 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
         LookaheadEmbeddingBagCollectionSharder,
         lookahead_sharders,
     )
+    from torchrec_lookahead.oracle.device import DeviceOracleCacher
     from torchrec_lookahead.pipeline import LookaheadTrainPipeline
 
 __all__ = [
     "BatchTypeError",
     "CacheMetrics",
     "CachePlan",
+    "DeviceOracleCacher",
     "HotRowsEmbeddingBagCollection",
     "HotRowsEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingBagCollection",
@@ -37,6 +40,7 @@ __all__ = [
 
 _LAZY = {
     "BatchTypeError": "torchrec_lookahead.checks",
+    "DeviceOracleCacher": "torchrec_lookahead.oracle.device",
     "HotRowsEmbeddingBagCollection": "torchrec_lookahead.embedding",
     "HotRowsEmbeddingBagCollectionSharder": "torchrec_lookahead.embedding",
     "LookaheadEmbeddingBagCollection": "torchrec_lookahead.embedding",

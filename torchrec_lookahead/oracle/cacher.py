@@ -62,6 +62,7 @@ __all__ = [
     "PreparedBatch",
     "as_id_array",
     "as_int64",
+    "capacity_error",
     "check_range",
     "load_kernels",
 ]
@@ -138,6 +139,18 @@ def check_range(ids: np.ndarray, where: str, num_rows: int | None) -> None:
             f"{where}: id {high} is out of range for a table of {num_rows} rows "
             f"(first bad id at position {pos})"
         )
+
+
+def capacity_error(
+    step: int, prefetch_distance: int, pinned_rows: int, capacity: int
+) -> ValueError:
+    """The capacity rule's refusal: steps ``step-d..step`` need ``pinned_rows`` slots."""
+    d = prefetch_distance
+    return ValueError(
+        f"step {step}: steps {max(step - d, 0)}..{step} use {pinned_rows} distinct rows, "
+        f"which must be resident together (prefetch_distance={d}), but the cache has "
+        f"{capacity} slots; a capacity of at least {pinned_rows} is needed"
+    )
 
 
 class OracleCacher(CachePlanner[PreparedBatch]):
@@ -228,12 +241,8 @@ class OracleCacher(CachePlanner[PreparedBatch]):
         """
         prepared = self.prepare_unchecked(batch)
         if prepared.pinned_rows > self.capacity:
-            d, step = self.prefetch_distance, prepared.step
-            raise ValueError(
-                f"step {step}: steps {max(step - d, 0)}..{step} use {prepared.pinned_rows} "
-                f"distinct rows, which must be resident together (prefetch_distance={d}), but "
-                f"the cache has {self.capacity} slots; a capacity of at least "
-                f"{prepared.pinned_rows} is needed"
+            raise capacity_error(
+                prepared.step, self.prefetch_distance, prepared.pinned_rows, self.capacity
             )
         return prepared
 

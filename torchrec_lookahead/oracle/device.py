@@ -1,0 +1,423 @@
+"""The lookahead oracle made of device ops: a step's plan with no host sync, for the GPU.
+
+:class:`DeviceOracleCacher` keeps :class:`~torchrec_lookahead.oracle.OracleCacher`'s
+contract (``docs/design.md``, "The oracle's contract") and its victim order, so its
+misses equal the numba oracle's at every step, but its state is torch tensors on a
+device and a step's plan is a fixed sequence of tensor ops over static shapes: no
+Python loop over ids, slots or the window's batches, no ``.item()``, ``nonzero`` or
+``torch.unique``. On CUDA the host only queues kernels, so planning overlaps the
+step it plans for. It runs on CPU tensors too (how it is tested).
+
+How a step is planned without the numba oracle's heaps and linked lists (those
+are pointer chasing, one row at a time; a device wants whole-array passes):
+
+* Deduplication by sort: sort the batch, flag each value unlike its
+  predecessor, number them by a cumulative sum, scatter the distinct ids to
+  their numbers. The output is padded (``-1``) to the window's width, so its
+  shape does not depend on the data.
+* The window is a ring of ``max(L, d) + 1`` rows of padded distinct ids (and
+  their multiplicities), one row per step.
+* Next use by one ``scatter_reduce(amin)``: every ring entry of a step after
+  ``s`` sends its step to the slot its row is resident in (others go to a dump
+  entry), so each slot learns its row's next use in the window.
+* Victims by stable sorts over the slots, least significant key first: row id,
+  last use, uses so far (frequency tie-break only), then a small exact key
+  that puts free slots first, then candidates with no use in the window, then
+  candidates by farthest next use, and non-candidates last. The first
+  ``misses`` slots of that order receive the fetched rows: free slots first,
+  then the victims', so the victims are a contiguous run of it. Sorting the
+  whole cache costs ``O(C log C)`` per step where the heaps cost ``O(log)``
+  per touched row, but it is a handful of kernels with no data-dependent
+  control flow.
+
+Per-row and per-slot arrays are stored one past their index: entry 0 belongs
+to the padding (row or slot ``-1``), and absorbs writes of padded entries, so
+no masked write needs a data-dependent shape.
+
+Which calls sync with the host: :meth:`~DeviceOracleCacher.push_device` and
+:meth:`~DeviceOracleCacher.finish_device` never do (their :class:`DevicePlan` holds
+device tensors; bad ids and broken capacity set sticky device flags instead of
+raising). The contract path (``prepare``, ``push``, ``plan``, ``finish``,
+``flush``, ``absent``, ``num_resident``) reads back what it must to raise its
+errors and to trim the plans to exact lengths: a range check and the
+pinned-row count per batch, and each plan's counts and arrays.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.functional import pad
+
+from torchrec_lookahead.oracle.cacher import TIE_BREAKS, as_int64, capacity_error, check_range
+from torchrec_lookahead.settings import check_count
+from torchrec_lookahead.types import CachePlan, CachePlanner
+
+__all__ = ["DeviceOracleCacher", "DevicePlan", "DevicePreparedBatch"]
+
+_NEVER = 1 << 62  # next use of a slot whose row has none in the window
+_INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One step's plan as device tensors of static shapes, made with no host sync.
+
+    ``evict_*`` and ``fetch_*`` have the window's width; entries from
+    ``num_evict`` / ``num_fetch`` on are padding (``-1``). Apply the evictions,
+    then the fetches, as for a :class:`~torchrec_lookahead.types.CachePlan`.
+    """
+
+    step: int
+    slots: torch.Tensor  # int64, one per id of the batch, in its order
+    evict_ids: torch.Tensor
+    evict_slots: torch.Tensor
+    fetch_ids: torch.Tensor
+    fetch_slots: torch.Tensor
+    num_evict: torch.Tensor  # 0-d int64
+    num_fetch: torch.Tensor  # 0-d int64: the step's misses
+    # 0-d bool, sticky: a batch entered so far broke the capacity rule, or had an id
+    # outside the table (made padding: its slot is -1). Either way the plans are void.
+    overflow: torch.Tensor
+    bad_ids: torch.Tensor
+
+    def to_cache_plan(self) -> CachePlan:
+        """The plan trimmed to its lengths, as numpy arrays (syncs: reads the counts)."""
+        num_evict, num_fetch = torch.stack([self.num_evict, self.num_fetch]).tolist()
+
+        def host(values: torch.Tensor, length: int) -> np.ndarray:
+            return values[:length].cpu().numpy()
+
+        return CachePlan(
+            step=self.step,
+            slots=self.slots.cpu().numpy(),
+            evict_ids=host(self.evict_ids, num_evict),
+            evict_slots=host(self.evict_slots, num_evict),
+            fetch_ids=host(self.fetch_ids, num_fetch),
+            fetch_slots=host(self.fetch_slots, num_fetch),
+        )
+
+
+@dataclass(frozen=True)
+class DevicePreparedBatch:
+    """A batch deduplicated and counted on the device, ready to enter the window."""
+
+    oracle: DeviceOracleCacher
+    step: int
+    ids: torch.Tensor  # the batch, int64, bad ids (sync-free path only) made -1
+    distinct: torch.Tensor  # its distinct ids ascending, padded with -1 to ``width``
+    mult: torch.Tensor  # each distinct id's occurrences (0: padding)
+    pinned_rows: torch.Tensor  # 0-d: distinct ids of steps step-d..step
+    bad: torch.Tensor  # 0-d bool: the batch had an id outside the table
+
+    @property
+    def unique(self) -> np.ndarray:
+        """The batch's distinct ids (syncs)."""
+        distinct = self.distinct.cpu().numpy()
+        return distinct[distinct >= 0]
+
+
+class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
+    """Windowed-Belady cache planner for one table, planned by device ops.
+
+    Same arguments, contract and victim order as
+    :class:`~torchrec_lookahead.oracle.OracleCacher` (``tie_break`` included);
+    ``device`` holds the state and makes the plans (default: CUDA if available,
+    else the CPU). Batches are 1-D integer tensors (numpy arrays and sequences
+    are taken too); a batch on another device is copied to ``device``.
+
+    ``num_rows=None``: the table grows to the largest id seen, on the contract
+    path (which reads the largest id back). The sync-free path checks ids
+    against the table size known so far, so pass ``num_rows`` for it.
+
+    Memory: 16 bytes per table row (its slot and its uses, int64; 8 bytes with
+    ``tie_break="recency"``, which needs no uses), 16 per cache slot (its row
+    and last use) plus ``O(capacity)`` temporaries per step, and a ring of
+    ``max(L, d) + 1`` steps of 16 bytes per entry, as wide as the longest
+    batch so far (rounded up to a power of two), plus the ``L + 1`` newest
+    batches themselves.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        lookahead: int,
+        prefetch_distance: int = 1,
+        num_rows: int | None = None,
+        device: torch.device | str | None = None,
+        *,
+        tie_break: str = "frequency",
+    ) -> None:
+        capacity = check_count("capacity", capacity, 1)
+        lookahead = check_count("lookahead", lookahead, 0)
+        prefetch_distance = check_count("prefetch_distance", prefetch_distance, 0)
+        if num_rows is not None:
+            num_rows = check_count("num_rows", num_rows, 1)
+        if not isinstance(tie_break, str) or tie_break not in TIE_BREAKS:
+            raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.capacity = capacity
+        self.lookahead = lookahead
+        self.prefetch_distance = prefetch_distance
+        self.num_rows = num_rows
+        self.tie_break = tie_break
+        self.device = torch.device(device)
+
+        self._frequency = tie_break == "frequency"
+        self._rows = 0  # table rows with state
+        self._row_slot = self._full(1, -1)  # [1 + rows]: slot of each row, -1: absent
+        self._row_uses = self._full(1, 0) if self._frequency else None  # occurrences planned
+        self._slot_row = self._full(1 + capacity, -1)  # [1 + C]: row in each slot, -1: free
+        self._slot_last = self._full(1 + capacity, -1)  # last planned use of each slot's row
+        self._grow_rows(num_rows or 0)
+        self._span = max(lookahead, prefetch_distance) + 1  # steps the ring keeps
+        self._width = 0
+        self._ring_ids = self._full((self._span, 0), -1)  # padded distinct ids per step
+        self._ring_mult = self._full((self._span, 0), 0)
+        self._ring_step = self._full(self._span, -1)
+        self._ring_rows = torch.arange(self._span, device=self.device)
+        self._positions = self._full(0, 0)  # arange(width)
+        self._back = torch.arange(1, prefetch_distance + 1, device=self.device)
+        self._window: deque[torch.Tensor] = deque()  # the ids of steps entered, not planned
+        self._steps_pushed = 0
+        self._next_plan = 0
+        self._overflow = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
+
+    # ------------------------------------------------------------ contract path
+
+    @property
+    def num_resident(self) -> int:
+        """Rows resident now (syncs)."""
+        return int((self._slot_row[1:] >= 0).sum())
+
+    @property
+    def steps_pushed(self) -> int:
+        """Batches that have entered the window so far."""
+        return self._steps_pushed
+
+    def prepare(self, batch: Any) -> DevicePreparedBatch:
+        """Check the next batch without letting it in; ``push`` it afterwards.
+
+        Raises ``ValueError`` as ``OracleCacher.prepare`` does, for bad ids or
+        when steps ``step-d..step`` cannot be resident together; changes
+        nothing but the size of the per-row state. Syncs twice: the id range
+        and the pinned-row count.
+        """
+        step = self._steps_pushed
+        where = f"step {step}"
+        ids = self._as_ids(batch, where)
+        if ids.numel():
+            low, high = torch.stack([ids.min(), ids.max()]).tolist()
+            if low < 0 or (self.num_rows is not None and high >= self.num_rows):
+                check_range(ids.cpu().numpy(), where, self.num_rows)  # raises, naming the id
+            self._grow_rows(high + 1)
+        prepared = self._prepare(ids, step, torch.zeros_like(self._bad))
+        pinned = int(prepared.pinned_rows)
+        if pinned > self.capacity:
+            raise capacity_error(step, self.prefetch_distance, pinned, self.capacity)
+        return prepared
+
+    def push(self, batch: Any) -> CachePlan | None:
+        """Let the next batch (or what ``prepare`` made of it) in; ``plan(step - L)`` once due."""
+        prepared = batch if isinstance(batch, DevicePreparedBatch) else self.prepare(batch)
+        if prepared.oracle is not self or prepared.step != self._steps_pushed:
+            raise ValueError(
+                f"a batch prepared for step {prepared.step} cannot enter at step "
+                f"{self._steps_pushed} (or it was prepared by another oracle)"
+            )
+        plan = self._enter(prepared)
+        return None if plan is None else plan.to_cache_plan()
+
+    def finish(self) -> list[CachePlan]:
+        """End of stream: plans for the steps still waiting, with shorter windows."""
+        return [plan.to_cache_plan() for plan in self.finish_device()]
+
+    def flush(self) -> CachePlan:
+        """Write-back of every resident row (syncs); the rows stay resident."""
+        rows = self._slot_row[1:].cpu().numpy()
+        occupied = np.flatnonzero(rows >= 0)
+        return CachePlan(
+            step=self._next_plan,
+            slots=_EMPTY,
+            evict_ids=rows[occupied],
+            evict_slots=occupied,
+            fetch_ids=_EMPTY,
+            fetch_slots=_EMPTY,
+        )
+
+    def absent(self, prepared: DevicePreparedBatch) -> np.ndarray:
+        """The prepared batch's distinct ids not resident now (syncs)."""
+        distinct = prepared.distinct
+        absent = (distinct >= 0) & (self._row_slot.gather(0, distinct + 1) < 0)
+        return distinct.cpu().numpy()[absent.cpu().numpy()]
+
+    # ---------------------------------------------------------- sync-free path
+
+    def push_device(self, ids: torch.Tensor) -> DevicePlan | None:
+        """``push`` with no host sync: ``ids`` is a 1-D int64 tensor on ``device``.
+
+        Ids outside the table become padding and set ``DevicePlan.bad_ids``; a
+        batch that breaks the capacity rule sets ``DevicePlan.overflow``. Both
+        flags are sticky and void the plans: read them when the executor syncs
+        anyway, and stop.
+        """
+        if ids.ndim != 1 or ids.dtype != torch.int64 or ids.device != self.device:
+            raise ValueError(
+                f"push_device takes a 1-D int64 tensor on {self.device}, "
+                f"got {ids.dtype} of shape {tuple(ids.shape)} on {ids.device}"
+            )
+        bad = (ids < 0) | (ids >= self._rows)
+        prepared = self._prepare(torch.where(bad, -1, ids), self._steps_pushed, bad.any())
+        return self._enter(prepared)
+
+    def finish_device(self) -> list[DevicePlan]:
+        """``finish`` with no host sync: the plans still due."""
+        plans = []
+        while self._next_plan < self._steps_pushed:
+            plans.append(self._plan())
+        return plans
+
+    # ---------------------------------------------------------------- internals
+
+    def _full(self, shape: int | tuple[int, ...], value: int) -> torch.Tensor:
+        return torch.full(
+            (shape,) if isinstance(shape, int) else shape,
+            value,
+            dtype=torch.int64,
+            device=self.device,
+        )
+
+    def _as_ids(self, batch: Any, where: str) -> torch.Tensor:
+        """A batch as a 1-D int64 tensor on the device (``as_int64``'s checks and errors)."""
+        if not (isinstance(batch, torch.Tensor) and batch.ndim == 1 and batch.dtype in _INTEGERS):
+            batch = torch.from_numpy(as_int64(batch, where))  # raises for a bad shape or type
+        return batch.to(self.device, torch.int64)
+
+    def _grow_rows(self, rows: int) -> None:
+        """Per-row state for ids below ``rows`` (amortised doubling)."""
+        if rows <= self._rows:
+            return
+        size = rows if self.num_rows is not None else max(rows, 2 * self._rows)
+        more = self._full(size - self._rows, -1)
+        self._row_slot = torch.cat([self._row_slot, more])
+        if self._row_uses is not None:
+            self._row_uses = torch.cat([self._row_uses, more.zero_()])
+        self._rows = size
+
+    def _prepare(self, ids: torch.Tensor, step: int, bad: torch.Tensor) -> DevicePreparedBatch:
+        """Deduplicate ``ids`` (-1: padding) and count the rows of steps ``step-d..step``."""
+        width = max(self._width, 1 << max(len(ids) - 1, 0).bit_length())
+        ordered = torch.sort(ids).values
+        first = _firsts(ordered)
+        number = first.cumsum(0)  # each id's 1 + index among the distinct ids (padding: 0)
+        distinct = self._full(1 + width, -1).scatter_(0, number * first, ordered)[1:]
+        mult = self._full(1 + width, 0).index_add_(0, number, torch.ones_like(ordered))[1:]
+        rows = (step - self._back) % self._span  # ring rows of steps step-1..step-d
+        together = torch.cat([self._ring_ids.index_select(0, rows).flatten(), distinct])
+        pinned = _firsts(torch.sort(together).values).sum()
+        return DevicePreparedBatch(self, step, ids, distinct, mult, pinned, bad)
+
+    def _enter(self, batch: DevicePreparedBatch) -> DevicePlan | None:
+        """Batch ``step`` joins the ring; returns ``plan(step - L)`` once it is due."""
+        width = len(batch.distinct)
+        if width > self._width:  # a longer batch than any before: widen the ring
+            self._ring_ids = pad(self._ring_ids, (0, width - self._width), value=-1)
+            self._ring_mult = pad(self._ring_mult, (0, width - self._width))
+            self._positions = torch.arange(width, device=self.device)
+            self._width = width
+        at = self._ring_rows[batch.step % self._span :][:1]  # a device index, no copy to it
+        fill = self._width - width
+        self._ring_ids.index_copy_(0, at, pad(batch.distinct, (0, fill), value=-1)[None])
+        self._ring_mult.index_copy_(0, at, pad(batch.mult, (0, fill))[None])
+        self._ring_step.index_fill_(0, at, batch.step)
+        self._overflow |= batch.pinned_rows > self.capacity
+        self._bad |= batch.bad
+        self._window.append(batch.ids)
+        self._steps_pushed += 1
+        if batch.step - self.lookahead >= self._next_plan:
+            return self._plan()
+        return None
+
+    def _plan(self) -> DevicePlan:
+        """Plan the next step: victims in policy order, fetches into free slots, then theirs."""
+        s, d, span = self._next_plan, self.prefetch_distance, self._span
+        row = s % span
+        distinct, mult = self._ring_ids[row], self._ring_mult[row]
+        row_slot, slot_row = self._row_slot, self._slot_row[1:]
+        resident_at = row_slot.gather(0, distinct + 1)  # -1: a miss, or padding
+        missing = (distinct >= 0) & (resident_at < 0)
+        num_fetch = missing.sum()
+
+        # Each slot's next use in the window: the earliest later step of the ring using its
+        # row (entries of rows not resident, and padding, go to the dump entry 0).
+        later = torch.where(self._ring_step > s, self._ring_step, _NEVER)
+        later = later[:, None].expand(span, self._width).flatten()
+        ring_slots = row_slot.gather(0, self._ring_ids.flatten() + 1) + 1
+        next_use = self._full(1 + self.capacity, _NEVER)
+        next_use = next_use.scatter_reduce_(0, ring_slots, later, "amin")[1:]
+
+        # Victim order: free slots, candidates with no next use, candidates by farthest next
+        # use, the rest; ties by (uses, last use, row). Stable sorts, least significant first.
+        hit = torch.zeros(1 + self.capacity, dtype=torch.bool, device=self.device)
+        hit = hit.index_fill_(0, resident_at + 1, True)[1:]
+        last_use = self._slot_last[1:]
+        candidate = (slot_row >= 0) & (last_use < s - d) & hit.logical_not()
+        rank = torch.where(next_use == _NEVER, 1, 2 + s + span - next_use)  # in 1..span+1
+        rank = torch.where(candidate, rank, span + 2)
+        rank = torch.where(slot_row >= 0, rank, 0)
+        order = torch.sort(slot_row, stable=True).indices
+        keys = [last_use] + (
+            [self._row_uses.gather(0, slot_row + 1)] if self._row_uses is not None else []
+        )
+        for key in [*keys, rank]:  # a fixed two or three more sorts, not per id or slot
+            order = order.gather(0, torch.sort(key.gather(0, order), stable=True).indices)
+
+        # The first ``num_fetch`` slots of the order take the fetched rows: free ones first,
+        # then the victims', a run of ``num_evict`` from ``num_free`` on.
+        positions, last = self._positions, self.capacity - 1
+        num_free = (slot_row < 0).sum()
+        num_evict = (num_fetch - num_free).clamp(min=0)
+        evicting = positions < num_evict
+        evict_slots = torch.where(
+            evicting, order.gather(0, (num_free + positions).clamp(max=last)), -1
+        )
+        evict_ids = torch.where(evicting, self._slot_row.gather(0, evict_slots + 1), -1)
+        fetch_slots = torch.where(
+            positions < num_fetch, order.gather(0, positions.clamp(max=last)), -1
+        )
+        fetch_ids = self._full(1 + self._width, -1)
+        fetch_ids = fetch_ids.scatter_(0, missing.cumsum(0) * missing, distinct)[1:]
+
+        # Apply: evicted rows leave, fetched rows arrive, the step's rows are used now.
+        row_slot.index_fill_(0, evict_ids + 1, -1)
+        row_slot.index_copy_(0, fetch_ids + 1, fetch_slots)
+        self._slot_row.index_copy_(0, fetch_slots + 1, fetch_ids)
+        self._slot_last.index_fill_(0, row_slot.gather(0, distinct + 1) + 1, s)
+        if self._row_uses is not None:
+            self._row_uses.index_add_(0, distinct + 1, mult)
+        ids = self._window.popleft()
+        self._next_plan += 1
+        return DevicePlan(
+            step=s,
+            slots=row_slot.gather(0, ids + 1),
+            evict_ids=evict_ids,
+            evict_slots=evict_slots,
+            fetch_ids=fetch_ids,
+            fetch_slots=fetch_slots,
+            num_evict=num_evict,
+            num_fetch=num_fetch,
+            overflow=self._overflow.clone(),
+            bad_ids=self._bad.clone(),
+        )
+
+
+def _firsts(ordered: torch.Tensor) -> torch.Tensor:
+    """Where sorted ids (padding ``-1`` first) hold a distinct id's first occurrence."""
+    return (ordered >= 0) & (ordered != pad(ordered, (1, 0), value=-2)[:-1])
