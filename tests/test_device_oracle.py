@@ -1,0 +1,250 @@
+"""DeviceOracleCacher: the oracle's contract, the numba oracle's choices, and no host sync."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from benchmarks.common import pinned_rows_needed
+from tests.contract import replay
+from tests.test_oracle import BAD_ORACLE_SETTINGS, tie_breaks, traces
+from torchrec_lookahead import DeviceOracleCacher, OracleCacher
+from torchrec_lookahead._compat import DispatchMode
+from torchrec_lookahead.oracle.cacher import TIE_BREAKS
+from torchrec_lookahead.oracle.device import DevicePlan
+from torchrec_lookahead.testing.fake_cuda import FakeCuda
+
+# What makes the host wait for the device: reading a value, or an output shaped by the data.
+SYNCING = ("_local_scalar_dense", "is_nonzero", "nonzero", "unique", "masked_select", "repeat")
+
+
+def syncing(ops: list[str]) -> list[str]:
+    return [op for op in ops if any(name in op for name in SYNCING)]
+
+
+def assert_same_choices(batches, capacity, lookahead, d, num_rows=None, tie_break="frequency"):
+    """Both oracles refuse alike, or plan the same misses and evictions at every step, and
+    the device oracle's plans meet the contract."""
+    numba = OracleCacher(capacity, lookahead, d, num_rows, tie_break=tie_break)
+    device = DeviceOracleCacher(capacity, lookahead, d, num_rows, "cpu", tie_break=tie_break)
+    tensors = [torch.as_tensor(b, dtype=torch.int64) for b in batches]
+    try:
+        want = list(numba.plan(batches))
+    except ValueError as refusal:
+        with pytest.raises(ValueError) as caught:
+            list(device.plan(tensors))
+        assert str(caught.value) == str(refusal)
+        return
+    got = list(device.plan(tensors))
+    replay(batches, got, device.flush(), capacity, d)
+    assert [p.step for p in got] == [p.step for p in want]
+    for a, b in zip(want, got):
+        assert sorted(a.fetch_ids.tolist()) == sorted(b.fetch_ids.tolist()), a.step
+        assert sorted(a.evict_ids.tolist()) == sorted(b.evict_ids.tolist()), a.step
+    assert sorted(numba.flush().evict_ids.tolist()) == sorted(device.flush().evict_ids.tolist())
+
+
+@settings(max_examples=60)
+@given(traces(), tie_breaks)
+def test_plans_meet_the_contract_and_match_the_numba_oracle(trace, tie_break) -> None:
+    batches, num_rows, capacity, lookahead, d = trace
+    assert_same_choices(batches, capacity, lookahead, d, num_rows, tie_break)
+
+
+def streams() -> dict[str, list[np.ndarray]]:
+    rng = np.random.default_rng(11)
+    return {
+        "zipf": [np.minimum(rng.zipf(1.3, size=50), 400) - 1 for _ in range(50)],
+        "uniform": [rng.integers(0, 250, size=int(rng.integers(0, 41))) for _ in range(50)],
+    }
+
+
+@pytest.mark.parametrize("tie_break", TIE_BREAKS)
+@pytest.mark.parametrize("lookahead, d", [(0, 0), (0, 2), (1, 1), (4, 2), (16, 0), (60, 1)])
+@pytest.mark.parametrize("stream", ["zipf", "uniform"])
+def test_matches_the_numba_oracle_on_larger_traces(stream, lookahead, d, tie_break) -> None:
+    batches = streams()[stream]
+    floor = pinned_rows_needed(batches, d)
+    for capacity in (floor, floor + 40, 2 * floor):  # from exactly the pinned minimum up
+        assert_same_choices(batches, capacity, lookahead, d, 400, tie_break)
+    with pytest.raises(ValueError, match=f"a capacity of at least {floor} is needed"):
+        list(
+            DeviceOracleCacher(floor - 1, lookahead, d, 400, "cpu").plan(map(torch.tensor, batches))
+        )
+
+
+def test_the_table_grows_to_the_ids_when_num_rows_is_unknown() -> None:
+    batches = [np.array([1, 2]), np.array([10_000, 2]), np.array([123_456, 1, 3]), np.array([0])]
+    assert_same_choices(batches, 4, 1, 1)
+
+
+def test_flush_keeps_rows_resident_and_the_stream_goes_on_after_finish() -> None:
+    batches = [np.array([i % 7, (3 * i) % 11]) for i in range(30)]
+    oracle = DeviceOracleCacher(6, 3, 1, 11, "cpu")
+    numba = OracleCacher(6, 3, 1, 11)
+    plans = list(oracle.plan(map(torch.tensor, batches[:15])))
+    want = list(numba.plan(batches[:15]))
+    mid = oracle.flush()
+    assert len(mid.evict_ids) == oracle.num_resident == numba.num_resident
+    assert mid.step == 15 and oracle.finish() == []
+    plans += list(oracle.plan(map(torch.tensor, batches[15:])))
+    want += list(numba.plan(batches[15:]))
+    replay(batches, plans, oracle.flush(), 6, 1)
+    assert [p.num_misses for p in plans] == [p.num_misses for p in want]
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (torch.tensor([1, -3, 2]), "step 1: negative id -3"),
+        (torch.tensor([1, 7]), "step 1: id 7 is out of range for a table of 5 rows"),
+        (torch.tensor([[1, 2]]), "1-D array"),
+        (torch.tensor([0.5, 1.0]), "integers"),
+        (np.array([0, 1, 2, 3, 4]), "a capacity of at least 5 is needed"),
+    ],
+)
+def test_bad_batch_is_refused_and_changes_nothing(bad, message) -> None:
+    good = [torch.tensor(b) for b in ([0, 1], [2, 3], [1, 4], [0, 3])]
+    oracle = DeviceOracleCacher(capacity=4, lookahead=2, prefetch_distance=0, num_rows=5)
+    plans = [p for p in [oracle.push(good[0])] if p is not None]
+    with pytest.raises(ValueError, match=message):
+        oracle.push(bad)
+    for batch in good[1:]:
+        plans += [p for p in [oracle.push(batch)] if p is not None]
+    plans += oracle.finish()
+    replay([b.numpy() for b in good], plans, oracle.flush(), 4, 0)
+    clean = DeviceOracleCacher(capacity=4, lookahead=2, prefetch_distance=0, num_rows=5)
+    for got, want in zip(plans, clean.plan(good)):
+        assert np.array_equal(got.slots, want.slots)
+        assert np.array_equal(got.fetch_ids, want.fetch_ids)
+        assert np.array_equal(got.evict_ids, want.evict_ids)
+
+
+def test_prepare_checks_without_changing_anything_and_absent_matches() -> None:
+    batches = [np.array([1, 2]), np.array([3, 3, 4]), np.array([2, 5])]
+    oracle = DeviceOracleCacher(capacity=4, lookahead=1, prefetch_distance=1, num_rows=10)
+    numba = OracleCacher(capacity=4, lookahead=1, prefetch_distance=1, num_rows=10)
+    plans = [p for p in [oracle.push(batches[0])] if p]
+    numba.push(batches[0])
+    prepared = oracle.prepare(batches[1])
+    assert sorted(prepared.unique.tolist()) == [3, 4]
+    assert sorted(oracle.absent(prepared).tolist()) == sorted(
+        numba.absent(numba.prepare(batches[1])).tolist()
+    )
+    with pytest.raises(ValueError, match="a capacity of at least 5"):
+        oracle.prepare(np.array([5, 6, 7]))
+    oracle.prepare(np.array([9]))  # checked, never pushed: no trace
+    plans += [p for p in [oracle.push(prepared)] if p]
+    with pytest.raises(ValueError, match="prepared for step 1 cannot enter at step 2"):
+        oracle.push(prepared)
+    plans += [p for p in [oracle.push(batches[2])] if p] + oracle.finish()
+    clean = list(DeviceOracleCacher(4, 1, 1, 10).plan(batches))
+    assert [p.fetch_ids.tolist() for p in plans] == [p.fetch_ids.tolist() for p in clean]
+    assert [p.slots.tolist() for p in plans] == [p.slots.tolist() for p in clean]
+
+
+@pytest.mark.parametrize("name, value", BAD_ORACLE_SETTINGS)
+def test_bad_settings_are_refused_naming_them(name: str, value: object) -> None:
+    settings_: dict[str, object] = {
+        "capacity": 4,
+        "lookahead": 2,
+        "prefetch_distance": 1,
+        "num_rows": 10,
+        name: value,
+    }
+    with pytest.raises(ValueError, match=name):
+        DeviceOracleCacher(**settings_)
+
+
+# ------------------------------------------------------------------ the sync-free path
+
+
+class OpLog(DispatchMode):
+    """Records the operators that run (by name) while it is entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def plan_device(oracle: DeviceOracleCacher, batches: list[torch.Tensor]) -> list[DevicePlan]:
+    return [p for b in batches for p in [oracle.push_device(b)] if p] + oracle.finish_device()
+
+
+def zipf_batches(size: int, steps: int, device: str = "cpu") -> list[torch.Tensor]:
+    rng = np.random.default_rng(size)
+    ids = [np.minimum(rng.zipf(1.2, size=size), 5000) - 1 for _ in range(steps)]
+    return [torch.from_numpy(b).to(device) for b in ids]
+
+
+@pytest.mark.parametrize("tie_break", TIE_BREAKS)
+def test_the_sync_free_path_plans_as_the_contract_path(tie_break) -> None:
+    batches = zipf_batches(64, 40)
+    args = (300, 4, 1, 5000, "cpu")
+    device = plan_device(DeviceOracleCacher(*args, tie_break=tie_break), batches)
+    contract = list(DeviceOracleCacher(*args, tie_break=tie_break).plan(batches))
+    for plan, want in zip(device, contract, strict=True):
+        got = plan.to_cache_plan()
+        for field in ("slots", "evict_ids", "evict_slots", "fetch_ids", "fetch_slots"):
+            assert np.array_equal(getattr(got, field), getattr(want, field)), field
+        assert plan.fetch_ids.shape == plan.evict_slots.shape == (64,)  # padded, static
+        assert not plan.overflow and not plan.bad_ids
+
+
+def step_ops(size: int, lookahead: int, d: int) -> Counter[str]:
+    """The operators of one ``push_device`` once the window is full."""
+    batches = zipf_batches(size, lookahead + 4)
+    oracle = DeviceOracleCacher(4 * size, lookahead, d, 5000, "cpu")
+    for batch in batches[:-1]:
+        oracle.push_device(batch)
+    with OpLog() as log:
+        oracle.push_device(batches[-1])
+    return Counter(log.ops)
+
+
+def test_a_step_runs_no_syncing_op_and_a_fixed_number_of_ops() -> None:
+    small = step_ops(8, 1, 1)
+    assert not syncing(list(small)), small
+    for size, lookahead, d in [(512, 1, 1), (8, 32, 1), (512, 32, 2), (64, 0, 1)]:
+        assert step_ops(size, lookahead, d) == small, (size, lookahead, d)
+
+
+def test_on_fake_cuda_a_step_copies_nothing_to_the_host_and_plans_alike() -> None:
+    """On the project's fake CUDA (real values behind fake device tensors): device checks as
+    on a GPU, and every copy between host and device logged."""
+    on_cpu = plan_device(DeviceOracleCacher(300, 4, 1, 5000, "cpu"), zipf_batches(64, 12))
+    want = [p.to_cache_plan() for p in on_cpu]
+    with FakeCuda() as fake:
+        oracle = DeviceOracleCacher(300, 4, 1, 5000, "cuda:0")
+        batches = zipf_batches(64, 12, "cuda:0")
+        before = len(fake.transfers)
+        with OpLog() as log:
+            plans = plan_device(oracle, batches)
+        assert fake.transfers[before:] == []
+        assert not syncing(log.ops)
+        got = [p.to_cache_plan() for p in plans]
+    for a, b in zip(want, got, strict=True):
+        assert np.array_equal(a.slots, b.slots) and np.array_equal(a.fetch_ids, b.fetch_ids)
+
+
+def test_the_sync_free_path_flags_bad_ids_and_a_broken_capacity() -> None:
+    oracle = DeviceOracleCacher(capacity=3, lookahead=1, prefetch_distance=0, num_rows=10)
+    oracle.push_device(torch.tensor([1, 2]))
+    plan = oracle.push_device(torch.tensor([3, 12, -1]))
+    # plan(0): flagged already, as the bad batch entered the window
+    assert plan is not None and plan.step == 0 and plan.bad_ids and not plan.overflow
+    (plan,) = oracle.finish_device()
+    assert plan.slots.tolist() == [2, -1, -1]  # bad ids have no slot
+    oracle.push_device(torch.tensor([4, 5, 6, 7]))
+    (plan,) = oracle.finish_device()
+    assert plan.overflow
+    with pytest.raises(ValueError, match="1-D int64 tensor"):
+        oracle.push_device(torch.tensor([1, 2], dtype=torch.int32))
