@@ -1,4 +1,4 @@
-"""What the library refuses, checked before any state changes: batches and settings.
+"""What the library refuses, checked before any state changes: batches, settings, models.
 
 A batch is refused with a ``ValueError`` naming the step and what is wrong,
 or a :class:`BatchTypeError` (a ``TypeError`` that is also a ``ValueError``,
@@ -26,6 +26,7 @@ __all__ = [
     "check_feature_ids",
     "check_structure",
     "check_variable_batch",
+    "not_sharded",
 ]
 
 ID_DTYPES = (torch.int64, torch.int32)  # the id types TorchRec's embedding modules take
@@ -203,6 +204,19 @@ def check_variable_batch(features: KeyedJaggedTensor, where: str) -> None:
                 f"{where}: feature {key!r}: inverse index {int(row[bad][0])} is "
                 f"out of range for its {stride} bags"
             )
+
+
+def not_sharded(kind: str, where: str) -> ValueError:
+    """The error for a lookahead collection (class ``kind``) that reached training without
+    its sharder: left unsharded under ``DistributedModelParallel`` it is wrapped as a dense
+    module, and every rank would train its own copy of every table."""
+    return ValueError(
+        f"{where}: this {kind} was not sharded by a lookahead sharder, so it cannot train "
+        f"as TorchRec's sharded tables do (under DistributedModelParallel each rank would keep "
+        f"and train its own copy of every table); pass sharders=[{kind}Sharder()], or "
+        f"lookahead_sharders() for a model that also holds plain TorchRec modules, to "
+        f"DistributedModelParallel and to the planner"
+    )
 
 
 # ------------------------------------------------------------------ internals

@@ -20,6 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import in_backward_optimizers
 from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
+from torchrec_lookahead.checks import not_sharded
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import HostStore, MmapStore
@@ -31,7 +32,7 @@ from torchrec_lookahead.variable_batch import (
     tbe_batch_sizes,
 )
 
-__all__ = ["LookaheadEmbeddingBagCollection", "not_sharded"]
+__all__ = ["LookaheadEmbeddingBagCollection"]
 
 _POOLING = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
 
@@ -225,7 +226,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def attach(self, window: Window) -> None:
         """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""
         if self._compute_device.type == "meta":
-            raise not_sharded(self, "a module on the meta device")
+            raise not_sharded(type(self).__name__, "a module on the meta device")
         if not self._cached:
             self._cached = [self._build_cache(tables) for tables in self._groups]
         for group in self._cached:
@@ -392,22 +393,6 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
     def _reload_cache(self) -> None:
         for group in self._cached:
             group.cache.refresh()
-
-
-def not_sharded(module: LookaheadEmbeddingBagCollection, where: str) -> ValueError:
-    """The error for a lookahead collection that reached training without its sharder.
-
-    Left unsharded under ``DistributedModelParallel``, it would be wrapped as a dense
-    module: every rank would keep and train its own copy of every table.
-    """
-    kind = type(module).__name__
-    return ValueError(
-        f"{where}: this {kind} was not sharded by a lookahead sharder, so it cannot train "
-        f"as TorchRec's sharded tables do (under DistributedModelParallel each rank would keep "
-        f"and train its own copy of every table); pass sharders=[{kind}Sharder()], or "
-        f"lookahead_sharders() for a model that also holds plain TorchRec modules, to "
-        f"DistributedModelParallel and to the planner"
-    )
 
 
 def _output_columns(tables: list[EmbeddingBagConfig], lookup: list[int]) -> torch.Tensor | None:

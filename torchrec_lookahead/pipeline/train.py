@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
+from torchrec.distributed.types import ShardedModule
 
 from torchrec_lookahead._compat import embedding_features
+from torchrec_lookahead.checks import not_sharded
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import load_kernels
 from torchrec_lookahead.pipeline.executor import PlanExecutor
@@ -83,6 +88,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._cached = [m for m in model.modules() if isinstance(m, LookaheadModule)]
         if not self._cached:
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
+        _check_sharded(model)
         load_kernels()  # not on the first step's critical path
         window = Window(lookahead, prefetch_distance, planning_workers)
         for module in self._cached:
@@ -103,6 +109,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         # on the critical path), waiting for rows to land, and in forward / backward /
         # optimizer. The stage's own busy time is in ``stage_timings``.
         self.timings = {"stage_s": 0.0, "wait_s": 0.0, "compute_s": 0.0}
+        _OPEN.add(self)
 
     @property
     def stage_timings(self) -> dict[str, float]:
@@ -148,6 +155,7 @@ class LookaheadTrainPipeline(TrainPipeline):
 
     def close(self) -> None:
         """Stop the stage and the executor (after the moves already issued); idempotent."""
+        _OPEN.discard(self)
         self._stage.close()
         self._executor.close()
 
@@ -235,6 +243,28 @@ def stage_on_thread(device: torch.device, asked: bool | None = None) -> bool:
     process group's ops run on its own connections). Inline, every collective of a rank is
     issued by one thread, in the same order on every rank."""
     return asked if asked is not None else device.type == "cpu"
+
+
+def _check_sharded(model: torch.nn.Module) -> None:
+    """Refuse a lookahead collection left unsharded inside ``DistributedModelParallel``
+    (its sharder forgotten): DMP wraps it as a dense module, which trains a copy of every
+    table on every rank, or fails deep in DDP's backward hooks."""
+    for dmp in (m for m in model.modules() if isinstance(m, DistributedModelParallel)):
+        for path, module in dmp.module.named_modules():  # the user's paths, not DDP's
+            if isinstance(module, LookaheadModule) and not isinstance(module, ShardedModule):
+                raise not_sharded(type(module).__name__, f"module {path!r}")
+
+
+# Pipelines not closed yet: an exception that leaves one open (a refused batch the caller
+# does not catch) must not leave its threads running into interpreter shutdown, where a
+# thread torn down inside a collective aborts the process (SIGABRT) instead of exit 1.
+_OPEN: weakref.WeakSet[LookaheadTrainPipeline] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_pipelines() -> None:
+    for pipeline in list(_OPEN):
+        pipeline.close()
 
 
 def _declared_features(model: torch.nn.Module) -> dict[str, bool]:
