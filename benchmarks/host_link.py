@@ -218,7 +218,7 @@ def step_bytes(counts: np.ndarray, row_bytes: int) -> np.ndarray:
 
 
 def simulate(args: argparse.Namespace) -> dict[str, object]:
-    """Per policy and step, COUNTS and bytes; plus the caches' sizes."""
+    """Per policy and step, COUNTS; the caches' sizes and each policy's row bytes."""
     data = SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed)
     sizes = data.num_embeddings
     pools = slot_pools(sizes, [args.dim] * len(sizes), EmbOptimType.EXACT_ROWWISE_ADAGRAD)
@@ -249,9 +249,8 @@ def simulate(args: argparse.Namespace) -> dict[str, object]:
         if step < args.steps:
             for name, cache in fbgemm.items():
                 counts[name][step] = cache.step(ids, step)
-    row_bytes = {
-        name: 4 * (args.dim + (0 if name.startswith("fbgemm") else 1)) for name in POLICIES
-    }
+    # fp32 weights, plus row-wise Adagrad's accumulator where it moves with the row
+    row_bytes = {name: 4 * args.dim + (0 if name in fbgemm else 4) for name in POLICIES}
     capacity = {name: slots for name in oracles} | {name: c.slots for name, c in fbgemm.items()}
     return {
         "tables": len(sizes),
@@ -386,8 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache-fraction", type=float, default=0.01)
     p.add_argument("--batch-size", type=int, default=32768)
     p.add_argument("--lookahead", type=int, default=16)
-    p.add_argument("--steps", type=int, default=600, help="simulated, warm-up included")
-    p.add_argument("--warmup", type=int, default=100, help="skipped at least (more if not full)")
+    p.add_argument("--steps", type=int, default=300, help="simulated, warm-up included")
+    p.add_argument("--warmup", type=int, default=50, help="skipped at least (more if not full)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
