@@ -1,0 +1,104 @@
+"""``benchmarks/host_cost.py``: its counts agree with what a step does.
+
+The measuring function runs both pipelines at a tiny size (four tables, 64 samples,
+world size 1) under fake CUDA: identical steps count alike; a ``.item()`` added to
+every step shows as one more host wait. The counter counts a known sequence of
+operators exactly, and the report has its keys.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchrec_lookahead.testing.fake_cuda import FakeCuda
+from torchrec_lookahead.testing.host_waits import HostCounter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import host_cost  # noqa: E402
+
+TINY = host_cost.Settings(scale=1.0, table_sizes=(1000, 2000, 500, 300), lookahead=4)
+KEYS = {
+    "pipeline",
+    "world_size",
+    "batch_size",
+    "trainer_cpu_ms",
+    "host_waits",
+    "device_ops",
+    "other_threads_cpu_ms",
+}
+
+
+def run(kind: str, steps: int = 3) -> dict[str, Any]:
+    return host_cost.measure(kind, 1, 64, steps, 2, TINY, progress=False)
+
+
+def test_a_known_step_is_counted_exactly() -> None:
+    """Five device ops and the five waits they make, one of each kind, on this thread."""
+    with FakeCuda() as fake, HostCounter(fake) as counter:
+        ids = torch.arange(10).pin_memory().to("cuda", non_blocking=True)  # no wait
+        before = counter.tally().copy()
+        total = ids.sum()  # a device op, no wait
+        total.item()  # a wait: the value read back
+        (ids > 4).nonzero().tolist()  # a data-dependent shape (a wait), a read back (a wait)
+        ids.cpu()  # a copy to pageable memory (a wait)
+        torch.cuda.current_stream().synchronize()  # a wait
+        step = counter.tally().minus(before)
+    kinds = ["item", "nonzero", "tolist", "D2H copy", "stream synchronize"]
+    assert step.waits == dict.fromkeys(kinds, 1)
+    assert step.device_ops == 5  # sum, item, gt, nonzero, the copy
+    assert step.emulation_s > 0
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, Any]:
+    return run("plain")
+
+
+def test_both_pipelines_give_every_figure_and_identical_steps_count_alike(
+    plain: dict[str, Any],
+) -> None:
+    lookahead = run("lookahead")
+    for row in (plain, lookahead):
+        assert KEYS <= set(row)
+        assert row["device_ops"] > 0 and row["host_waits"] > 0
+        low, high = row["device_ops_range"]
+        assert low == high  # identical steps issue the same ops
+        assert row["trainer_cpu_ms"] > row["emulation_ms"] > 0
+    assert plain["other_threads_cpu_ms_by_name"].get("lookahead-executor") is None
+    assert "lookahead-executor" in lookahead["other_threads_cpu_ms_by_name"]
+
+
+def test_an_item_added_to_a_step_is_one_more_host_wait(
+    plain: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    progress = host_cost.TrainPipelineSparseDist.progress
+
+    def with_item(self: Any, dataloader_iter: Any) -> Any:
+        output = progress(self, dataloader_iter)
+        output[1].sum().item()  # the logits' sum, read back: a reduction and a wait
+        return output
+
+    monkeypatch.setattr(host_cost.TrainPipelineSparseDist, "progress", with_item)
+    added = run("plain")
+    assert added["host_waits"] == plain["host_waits"] + 1
+    assert added["device_ops"] == plain["device_ops"] + 2  # sum, _local_scalar_dense
+    assert added["host_wait_kinds"]["item"] == plain["host_wait_kinds"].get("item", 0) + 1
+
+
+def test_the_report_has_its_keys(
+    plain: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``main`` writes every run's row and what the rows were measured under."""
+    monkeypatch.setattr(host_cost, "measure", lambda kind, *args: {**plain, "pipeline": kind})
+    flags = ["--out", str(tmp_path), "--batch-sizes", "64", "--world-sizes", "1"]
+    assert host_cost.main(flags) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {"rows", "settings", "machine", "stood_in", "command", "date"} <= set(report)
+    assert [row["pipeline"] for row in report["rows"]] == ["plain", "lookahead"]
+    assert all(KEYS <= set(row) for row in report["rows"])
