@@ -1,5 +1,9 @@
 """One configuration trained twice, under this project and under plain TorchRec, compared.
 
+Before training, the device oracle (``DeviceOracleCacher``) and the numba oracle
+plan each table's id stream of the rank's batches, and must fetch the same rows
+at every step.
+
 Both models start from the same weights (plain TorchRec's, loaded into the
 lookahead model as a checkpoint) and train on the same batches, each rank its
 own. Plain TorchRec is ``EmbeddingBagCollection`` with TorchRec's sharder (its
@@ -12,6 +16,7 @@ configuration's tolerance (0: bitwise).
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -33,17 +38,20 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from benchmarks.common import pinned_rows_needed
 from planners import optimizer_state_floats, propose_hot_rows
 from tests.exactness.configs import Config
 from torchrec_lookahead import (
+    DeviceOracleCacher,
     HotRowsEmbeddingBagCollection,
     LookaheadEmbeddingBagCollection,
     LookaheadTrainPipeline,
+    OracleCacher,
     lookahead_sharders,
 )
 from torchrec_lookahead.data.dedup import deduplicate
 
-__all__ = ["Divergence", "compare"]
+__all__ = ["Divergence", "compare", "oracle_divergence"]
 
 FUSED = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 DENSE_IN = 13
@@ -412,11 +420,40 @@ class _Run:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def oracle_divergence(config: Config, batches: list[Batch]) -> Divergence | None:
+    """The first step where the device oracle fetches other rows than the numba oracle,
+    on a table's ids of ``batches`` (its features' ids per step), with the configuration's
+    window and cache (no smaller than the window needs) and the pipeline's tie-break (the
+    unit tests cover the other)."""
+    for table in config.tables:
+        stream = [
+            np.concatenate([b.sparse_features[f].values().numpy() for f in table.features])
+            for b in batches
+        ]
+        floor = pinned_rows_needed(stream, config.prefetch_distance)
+        capacity = max(math.ceil(config.cache_load_factor * table.rows), floor)
+        window = (capacity, config.lookahead, config.prefetch_distance, table.rows)
+        want = OracleCacher(*window).plan(stream)
+        got = DeviceOracleCacher(*window, "cpu").plan(map(torch.from_numpy, stream))
+        for a, b in zip(want, got, strict=True):
+            apart = set(a.fetch_ids.tolist()) ^ set(b.fetch_ids.tolist())
+            if apart:  # rows fetched by one oracle only
+                what = (
+                    f"the device oracle's fetches ({table.name}: {b.num_misses} misses, "
+                    f"the numba oracle's {a.num_misses})"
+                )
+                return Divergence(a.step, what, len(apart))
+    return None
+
+
 def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
     """Train ``config`` both ways on this rank; the first divergence (or None) and the
     largest difference seen."""
     torch.manual_seed(config.index)
     batches = rank_batches(config, rank)
+    planned = oracle_divergence(config, batches) if rank == 0 else None  # one stream will do
+    if _everywhere(0.0 if planned is None else 1.0):  # every rank stops, or none
+        return planned or Divergence(-1, "the device oracle (on rank 0)", 0.0), 0.0
     hot = hot_rows(config)
     base = build(config, False)
     events = dict(config.events)
