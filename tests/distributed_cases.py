@@ -28,7 +28,7 @@ from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterCons
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingType
 from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import SGD, Adagrad, RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -66,15 +66,20 @@ class Case:
     stage_thread: bool = True  # the lookahead stage on its own thread, or inline
     store_dir: bool = False  # the tables in a disk store (a temporary directory)
     session: int = 0  # > 0: sessions of this many samples share cat_0 and cat_1, deduplicated
+    data_types: tuple[str, ...] = ("FP32",) * len(SIZES)  # each table's (DataType values)
 
 
-def tables() -> list[EmbeddingBagConfig]:
+def tables(data_types: tuple[str, ...] = ("FP32",) * len(SIZES)) -> list[EmbeddingBagConfig]:
     names = feature_names(SyntheticCriteo(table_sizes=SIZES))
     return [
         EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[names[i]]
+            name=f"t{i}",
+            embedding_dim=DIM,
+            num_embeddings=n,
+            feature_names=[names[i]],
+            data_type=DataType(data_type),
         )
-        for i, n in enumerate(SIZES)
+        for i, (n, data_type) in enumerate(zip(SIZES, data_types, strict=True))
     ]
 
 
@@ -157,7 +162,7 @@ def rank_data_and_baseline(case: Case, rank: int, world_size: int):
     if case.session:
         batches = [deduplicated_sessions(b, case.session) for b in batches]
     baseline = build(
-        EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
+        EmbeddingBagCollection(tables=tables(case.data_types), device=torch.device("meta")),
         [RowWiseOnCpuSharder()],
         case,
         world_size,
@@ -198,7 +203,7 @@ def check(case: Case, rank: int, world_size: int) -> None:
     sharders = [LookaheadEmbeddingBagCollectionSharder(cpu_row_wise=True)]
     store_dir = tempfile.mkdtemp(prefix="lookahead-store-") if case.store_dir else None
     ebc = LookaheadEmbeddingBagCollection(
-        tables=tables(),
+        tables=tables(case.data_types),
         device=torch.device("meta"),
         cache_load_factor=case.cache_load_factor,
         store_dir=store_dir,
@@ -232,12 +237,28 @@ def check(case: Case, rank: int, world_size: int) -> None:
     )
     total = pipeline.cache_metrics()["total"]
     assert total.rows_written_back > 0, f"{case}: the cache never evicted; the test is too easy"
+    check_row_types(look, case)
     if store_dir is not None:
         files = sorted(p.name for p in Path(store_dir, f"rank{rank}").rglob("*.f32"))
         assert files and all(name.startswith("lookup") for name in files), files
         assert list(Path(store_dir, f"rank{rank}").rglob("oracle.*.i64"))
         check_streamed_checkpoint(case, world_size, (look, look_opt), (base, base_opt))
         shutil.rmtree(store_dir)
+
+
+def check_row_types(look: DistributedModelParallel, case: Case) -> None:
+    """Every lookahead kernel's cache and store hold rows in its tables' type, optimizer
+    state in FP32 (as FBGEMM's TBE keeps it)."""
+    types = {t.name: DataType(d).value for t, d in zip(tables(), case.data_types)}
+    sharded = next(m for m in look.modules() if hasattr(m, "kernels"))
+    for kernel in sharded.kernels:
+        (kind,) = {types[name] for name in kernel.table_names}
+        want = {"FP32": torch.float32, "FP16": torch.float16}[kind]
+        cache = kernel.cached.cache
+        assert {w.dtype for w in cache.tbe.split_embedding_weights()} == {want}
+        assert {w.dtype for w in kernel.store.weights} == {want}
+        states = [s for table in kernel.store.states for s in table]
+        assert all(s.dtype == torch.float32 for s in states)
 
 
 def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
@@ -266,7 +287,7 @@ def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
         assert len(md.chunks) > world_size, "a table larger than a chunk was saved whole"
         assert all(c.sizes.numel() * 4 <= chunk_bytes for c in md.chunks)
     fresh = build(
-        EmbeddingBagCollection(tables=tables(), device=torch.device("meta")),
+        EmbeddingBagCollection(tables=tables(case.data_types), device=torch.device("meta")),
         [RowWiseOnCpuSharder()],
         case,
         world_size,

@@ -93,6 +93,30 @@ def test_disk_store_matches_plain_torchrec(world_size: int) -> None:
     )
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_fp16_and_mixed_tables_match_plain_torchrec(world_size: int) -> None:
+    """FP16 tables under every optimizer FBGEMM runs on the CPU, bitwise plain TorchRec's
+    (its FP16 TBEs: half-precision rows, FP32 optimizer state), alone and beside an FP32
+    table (TorchRec groups a rank's shards by type: a lookahead kernel and cache each).
+    Shardings that give every rank rows of a table, so that every rank's cache evicts."""
+    mixed = ("FP16", "FP32", "FP16")
+    run_cases(
+        world_size,
+        [
+            Case("row_wise", "sgd", 8, steps=30, data_types=("FP16",) * 3),
+            Case("column_wise", "adagrad", 16, steps=30, data_types=mixed),
+            Case(
+                "table_row_wise",
+                "rowwise_adagrad",
+                4,
+                steps=30,
+                data_types=mixed,
+                stage_thread=False,
+            ),
+        ],
+    )
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_deduplicated_batches_match_plain_torchrec(world_size: int) -> None:
     run_cases(
