@@ -30,7 +30,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import SGD, Adagrad, RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -214,6 +214,7 @@ def table_configs(config: Config) -> list[EmbeddingBagConfig]:
             num_embeddings=t.rows,
             feature_names=list(t.features),
             pooling=pooling,
+            data_type=DataType(t.data_type),
         )
         for t in config.tables
     ]

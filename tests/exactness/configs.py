@@ -7,7 +7,7 @@ be run again alone (``EXACTNESS_SEED=S EXACTNESS_ONLY=k make exactness``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,6 +35,7 @@ class TableSpec:
     optimizer: str
     lr: float
     multi_hot: bool  # bags of 0 to several ids (else one id per bag, as Criteo's)
+    data_type: str = "FP32"  # a torchrec DataType's value: "FP32" or "FP16"
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Config:
             f"{t.rows}x{t.dim}{'x' + str(len(t.features)) if len(t.features) > 1 else ''}"
             f":{''.join(w[0] for w in t.sharding.split('_'))}"
             f":{t.optimizer}@{t.lr:g}{':multi' if t.multi_hot else ''}"
+            f"{':' + t.data_type.lower() if t.data_type != 'FP32' else ''}"
             for t in self.tables
         )
         extras = [
@@ -153,7 +155,7 @@ def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
         (int(rng.integers(1, steps - 2)), str(rng.choice(EVENTS)))
         for _ in range(int(rng.choice([0, 1, 2], p=[0.35, 0.4, 0.25])))
     )
-    return Config(
+    config = Config(
         seed=seed,
         index=index,
         world_size=world_size,
@@ -173,3 +175,9 @@ def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
         events=tuple(dict(events).items()),  # one event per step at most
         stage_thread=bool(rng.random() < 0.7),
     )
+    if replicable or config.disk_store:  # the replicas and the disk store hold FP32 rows
+        return config
+    # Data types last, from a generator of their own: a seed's other draws stay as they were.
+    types = np.random.default_rng([seed, index, 43])
+    fp16 = [replace(t, data_type="FP16") if types.random() < 0.4 else t for t in tables]
+    return replace(config, tables=tuple(fp16))
