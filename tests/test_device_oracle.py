@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
 import torch
@@ -13,17 +11,10 @@ from benchmarks.common import pinned_rows_needed
 from tests.contract import replay
 from tests.test_oracle import BAD_ORACLE_SETTINGS, tie_breaks, traces
 from torchrec_lookahead import DeviceOracleCacher, OracleCacher
-from torchrec_lookahead._compat import DispatchMode
 from torchrec_lookahead.oracle.cacher import TIE_BREAKS
 from torchrec_lookahead.oracle.device import DevicePlan
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
-
-# What makes the host wait for the device: reading a value, or an output shaped by the data.
-SYNCING = ("_local_scalar_dense", "is_nonzero", "nonzero", "unique", "masked_select", "repeat")
-
-
-def syncing(ops: list[str]) -> list[str]:
-    return [op for op in ops if any(name in op for name in SYNCING)]
+from torchrec_lookahead.testing.host_waits import HostCounter, Tally
 
 
 def assert_same_choices(batches, capacity, lookahead, d, num_rows=None, tie_break="frequency"):
@@ -163,18 +154,6 @@ def test_bad_settings_are_refused_naming_them(name: str, value: object) -> None:
 # ------------------------------------------------------------------ the sync-free path
 
 
-class OpLog(DispatchMode):
-    """Records the operators that run (by name) while it is entered."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def plan_device(oracle: DeviceOracleCacher, batches: list[torch.Tensor]) -> list[DevicePlan]:
     return [p for b in batches for p in [oracle.push_device(b)] if p] + oracle.finish_device()
 
@@ -199,37 +178,37 @@ def test_the_sync_free_path_plans_as_the_contract_path(tie_break) -> None:
         assert not plan.overflow and not plan.bad_ids
 
 
-def step_ops(size: int, lookahead: int, d: int) -> Counter[str]:
-    """The operators of one ``push_device`` once the window is full."""
-    batches = zipf_batches(size, lookahead + 4)
-    oracle = DeviceOracleCacher(4 * size, lookahead, d, 5000, "cpu")
-    for batch in batches[:-1]:
-        oracle.push_device(batch)
-    with OpLog() as log:
+def step_tally(size: int, lookahead: int, d: int) -> Tally:
+    """What one ``push_device`` once the window is full costs the host on (fake) CUDA."""
+    with FakeCuda() as fake, HostCounter(fake) as counter:
+        oracle = DeviceOracleCacher(4 * size, lookahead, d, 5000, "cuda:0")
+        batches = zipf_batches(size, lookahead + 4, "cuda:0")
+        for batch in batches[:-1]:
+            oracle.push_device(batch)
+        before = counter.tally().copy()
         oracle.push_device(batches[-1])
-    return Counter(log.ops)
+        return counter.tally().minus(before)
 
 
-def test_a_step_runs_no_syncing_op_and_a_fixed_number_of_ops() -> None:
-    small = step_ops(8, 1, 1)
-    assert not syncing(list(small)), small
+def test_a_step_waits_for_nothing_and_issues_a_fixed_number_of_device_ops() -> None:
+    small = step_tally(8, 1, 1)
+    assert small.host_waits == 0 and small.device_ops > 0
     for size, lookahead, d in [(512, 1, 1), (8, 32, 1), (512, 32, 2), (64, 0, 1)]:
-        assert step_ops(size, lookahead, d) == small, (size, lookahead, d)
+        tally = step_tally(size, lookahead, d)
+        assert (tally.host_waits, tally.device_ops) == (0, small.device_ops), (size, lookahead)
 
 
-def test_on_fake_cuda_a_step_copies_nothing_to_the_host_and_plans_alike() -> None:
-    """On the project's fake CUDA (real values behind fake device tensors): device checks as
-    on a GPU, and every copy between host and device logged."""
+def test_on_fake_cuda_a_stream_is_planned_alike_with_no_host_wait() -> None:
+    """On the project's fake CUDA (real values behind fake device tensors): device checks
+    as on a GPU, and every host wait counted, from the first batch to ``finish_device``."""
     on_cpu = plan_device(DeviceOracleCacher(300, 4, 1, 5000, "cpu"), zipf_batches(64, 12))
     want = [p.to_cache_plan() for p in on_cpu]
-    with FakeCuda() as fake:
+    with FakeCuda() as fake, HostCounter(fake) as counter:
         oracle = DeviceOracleCacher(300, 4, 1, 5000, "cuda:0")
         batches = zipf_batches(64, 12, "cuda:0")
-        before = len(fake.transfers)
-        with OpLog() as log:
-            plans = plan_device(oracle, batches)
-        assert fake.transfers[before:] == []
-        assert not syncing(log.ops)
+        before = counter.tally().copy()
+        plans = plan_device(oracle, batches)
+        assert counter.tally().minus(before).host_waits == 0
         got = [p.to_cache_plan() for p in plans]
     for a, b in zip(want, got, strict=True):
         assert np.array_equal(a.slots, b.slots) and np.array_equal(a.fetch_ids, b.fetch_ids)
@@ -248,3 +227,17 @@ def test_the_sync_free_path_flags_bad_ids_and_a_broken_capacity() -> None:
     assert plan.overflow
     with pytest.raises(ValueError, match="1-D int64 tensor"):
         oracle.push_device(torch.tensor([1, 2], dtype=torch.int32))
+
+
+def test_the_contract_path_waits_only_for_its_checks_and_the_plan() -> None:
+    """Per ``push``: the id range and the pinned-row count are read back, then the plan's
+    counts and its five arrays (what ``docs/design.md`` says the contract path syncs)."""
+    with FakeCuda() as fake, HostCounter(fake) as counter:
+        oracle = DeviceOracleCacher(256, 2, 1, 5000, "cuda:0")
+        batches = zipf_batches(64, 6, "cuda:0")
+        for batch in batches[:-1]:
+            oracle.push(batch)
+        before = counter.tally().copy()
+        oracle.push(batches[-1])
+        waits = counter.tally().minus(before).waits
+    assert waits == {"tolist": 2, "item": 1, "D2H copy": 5}

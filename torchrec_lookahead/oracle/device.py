@@ -195,7 +195,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
     @property
     def num_resident(self) -> int:
         """Rows resident now (syncs)."""
-        return int((self._slot_row[1:] >= 0).sum())
+        return int((self._slot_row[1:] >= 0).sum().item())
 
     @property
     def steps_pushed(self) -> int:
@@ -219,7 +219,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
                 check_range(ids.cpu().numpy(), where, self.num_rows)  # raises, naming the id
             self._grow_rows(high + 1)
         prepared = self._prepare(ids, step, torch.zeros_like(self._bad))
-        pinned = int(prepared.pinned_rows)
+        pinned = int(prepared.pinned_rows.item())
         if pinned > self.capacity:
             raise capacity_error(step, self.prefetch_distance, pinned, self.capacity)
         return prepared
