@@ -29,8 +29,9 @@ CUDA runtime; see ``STOOD_IN``, also written to the JSON): the backward (autogra
 record fake CUDA tensors, so steps run under ``no_grad`` with ``Tensor.backward`` a
 no-op, the model in training mode otherwise), FBGEMM's TBE forward kernels (fake kernel
 only), ``torch.cuda``'s streams and events (counting doubles), DMP's constructor-time
-collective validation and TorchRec's ``TableBatchedEmbeddingSlice``. Batches are pinned,
-as a loader with ``pin_memory`` hands them. Torch runs on one intra-op thread.
+collective validation, TorchRec's ``TableBatchedEmbeddingSlice``, DDP (not built) and
+TorchRec's planner (table ``i`` on rank ``i % world_size``). Batches are pinned, as a
+loader with ``pin_memory`` hands them. Torch runs on one intra-op thread.
 Prints one table, writes ``OUT/report.json``.
 """
 
@@ -104,6 +105,14 @@ STOOD_IN = [
     "would only call the module (no reducer work, DLRM has no buffers)",
     "TorchRec's TableBatchedEmbeddingSlice (a tensor subclass torch cannot make of a "
     "fake tensor, built once when sharding): the table's view, as a plain parameter",
+    "three calls fake CUDA does not rewrite into operators (Tensor.copy_ of a CUDA tensor, "
+    "indexing with two index tensors in DLRM's interaction, set_ of a device storage in "
+    "the store): rewritten into the operators a GPU build dispatches them to "
+    "(testing.host_waits); FakeTensor.tolist: one read of the shadow, counted as one wait",
+    "the sharding plan: table-wise by hand, table i on rank i % world_size, not TorchRec's "
+    "planner: fake CUDA's collectives need every rank to send as much as it receives",
+    "batches: pinned (as a loader with pin_memory hands them); torch on one intra-op "
+    "thread (the pipelines' own threads run one too)",
     "the process group: cuda:fake (CUDA tensors only, as NCCL; no data moves); at world "
     "size 2 this process is rank 0 and every other rank sends what it sends",
     "fake CUDA runs every device op twice (fake, and on CPU shadows doing the GPU's work): "

@@ -226,17 +226,21 @@ class HostCounter:
 
 
 def _call_site() -> str:
-    """The innermost frame of the watched code: ``path:line (function)``, the path from
-    the package (or from ``site-packages``)."""
-    frame = sys._getframe(2)
+    """The innermost frame of the watched code, ``path:line (function)`` with the path from
+    the package (or from ``site-packages``); if that is not this package's, ``via`` the
+    innermost frame that is."""
+    site, frame = "", sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if not any(part in name for part in _NOT_SITES):
             short = name.split("site-packages/")[-1]
             at = short.find("torchrec_lookahead/")
-            return f"{short[at:] if at >= 0 else short}:{frame.f_lineno} ({frame.f_code.co_name})"
+            where = f"{short[at:] if at >= 0 else short}:{frame.f_lineno} ({frame.f_code.co_name})"
+            if at >= 0:
+                return f"{site} via {where}" if site else where
+            site = site or where
         frame = frame.f_back  # type: ignore[assignment]
-    return "?"
+    return site or "?"
 
 
 class _Count(DispatchMode):
