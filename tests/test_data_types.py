@@ -22,10 +22,12 @@ from tests.models import (
     batches,
     lookahead_model,
     reference_twin,
+    session_batches,
     train_lookahead,
     train_reference,
 )
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.testing.resident import FullyResidentEmbeddingBagCollection
 
 FP16 = DataType.FP16
@@ -136,12 +138,13 @@ class OneModule(nn.Module):
         return loss, logits.detach()
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize(("optimizer", "dedup"), [("sgd", False), ("rowwise_adagrad", True)])
 def test_a_collection_mixing_fp32_and_fp16_tables_caches_each_type_in_its_own_group(
-    optimizer: str,
+    optimizer: str, dedup: bool
 ) -> None:
     """FP32, FP16, FP32 tables (the output interleaves the groups' columns): bitwise a TBE
-    per type, the output in table order."""
+    per type, the output in table order; plain or deduplicated batches (each group's
+    variable-batch output, flat, joins the others')."""
     tables = [
         dataclasses.replace(t, data_type=d)
         for t, d in zip(UNWEIGHTED, [DataType.FP32, FP16, DataType.FP32])
@@ -151,11 +154,13 @@ def test_a_collection_mixing_fp32_and_fp16_tables_caches_each_type_in_its_own_gr
     model = OneModule(ebc)
     twin = OneModule(ByType(ebc, {"optimizer": OPTIMIZERS[optimizer][1], "learning_rate": 0.05}))
     keys = [f for t in tables for f in t.feature_names]  # the batches' first four
-    data = [
-        Batch(b.dense_features, b.sparse_features.permute([0, 1, 2, 3]), b.labels)
-        for b in batches(30)
-    ]
-    assert data[0].sparse_features.keys() == keys
+    data = []
+    for b in session_batches(30, session=4, dedup=False):
+        features = b.sparse_features.permute([0, 1, 2, 3])
+        assert features.keys() == keys
+        if dedup:
+            features = deduplicate(features, ["f0", "f2"])
+        data.append(Batch(b.dense_features, features, b.labels))
     expected = train_reference(twin, data)
     got, pipeline = train_lookahead(model, data, lookahead=4, prefetch_distance=1)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
