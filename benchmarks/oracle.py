@@ -14,12 +14,18 @@ frequency tie-break), two ways:
   oracle and MIN all run pooled, so pooled MIN is the limit the pooled oracle
   is measured against.
 
+It checks the device oracle (``DeviceOracleCacher``, on CUDA if there is one) against
+the numba oracle on the per-table traces, at each lookahead and the
+``--device-check-fractions`` cache sizes: their misses must be equal at every step of
+every table (``misses.device_check``; a row per size and lookahead).
+
 It then times the oracle, on 1 and 2 partitions (threads), against
 ``np.unique(batch, return_inverse=True)`` on 65,536-id batches of a 2M-row
 table, the floor for any planner that has to deduplicate its input.
 
 Writes ``report.json`` (``misses.results``: per table; ``misses.variants``:
-per-table variants; ``misses.pooled``: one cache over all tables) and
+per-table variants; ``misses.pooled``: one cache over all tables;
+``misses.device_check``: device oracle against numba oracle) and
 ``misses.png`` into --out and prints the tables.
 """
 
@@ -33,9 +39,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 from common import machine, pinned_rows_needed
 from tqdm import tqdm
 
+from torchrec_lookahead import DeviceOracleCacher
 from torchrec_lookahead.data import SyntheticCriteo, ZipfSampler
 from torchrec_lookahead.oracle.misses import lfu_misses, lru_misses, min_misses, oracle_misses
 from torchrec_lookahead.oracle.partitioned import PartitionedOracle
@@ -93,14 +101,17 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
         )
     pooled["pooled MIN"] = one_pool(min_misses)
 
+    def capacities_at(fraction: float) -> list[int]:
+        return [
+            min(n, max(math.ceil(fraction * n), floor))
+            for n, floor in zip(data.num_embeddings, floors)
+        ]
+
     def results(named: dict[str, object]) -> list[dict[str, object]]:
         rows = []
         runs = [(f, name) for f in args.cache_fractions for name in named]
         for fraction, name in tqdm(runs, desc="simulating", unit="run"):
-            capacities = [
-                min(n, max(math.ceil(fraction * n), floor))
-                for n, floor in zip(data.num_embeddings, floors)
-            ]
+            capacities = capacities_at(fraction)
             misses = named[name](capacities)
             rows.append(
                 {
@@ -109,6 +120,31 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
                     "policy": name,
                     "misses": misses,
                     "miss_rate": misses / distinct_per_step,
+                }
+            )
+        return rows
+
+    def device_check() -> list[dict[str, object]]:
+        """Misses of the device oracle and of the numba oracle, equal at every step?"""
+        rows = []
+        runs = [(f, L) for f in args.device_check_fractions for L in args.lookaheads]
+        for fraction, lookahead in tqdm(runs, desc="device oracle", unit="run"):
+            numba = device = 0
+            equal = True
+            for stream, cap, n in zip(streams, capacities_at(fraction), data.num_embeddings):
+                want = oracle_misses(stream, cap, lookahead, d, n)
+                oracle = DeviceOracleCacher(cap, lookahead, d, n)
+                got = np.array([p.num_misses for p in oracle.plan(map(torch.from_numpy, stream))])
+                numba, device = numba + int(want.sum()), device + int(got.sum())
+                equal = equal and np.array_equal(want, got)
+            rows.append(
+                {
+                    "cache_fraction": fraction,
+                    "lookahead": lookahead,
+                    "device": str(oracle.device),
+                    "numba_misses": numba,
+                    "device_misses": device,
+                    "equal_every_step": equal,
                 }
             )
         return rows
@@ -122,6 +158,7 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
         "results": results(policies),
         "variants": results(variants),
         "pooled": results(pooled),
+        "device_check": device_check(),
     }
 
 
@@ -248,6 +285,14 @@ def print_tables(report: dict[str, object]) -> None:
         misses["pooled"],
         (f"pooled L={longest}", "pooled LRU"),
     )
+    if misses["device_check"]:
+        print("\nThe device oracle against the numba oracle, per table (their misses):")
+        for r in misses["device_check"]:
+            verdict = "equal at every step" if r["equal_every_step"] else "DIFFERENT"
+            print(
+                f"{100 * r['cache_fraction']:>6.1f}% L={r['lookahead']:<4} {r['device']:>6} "
+                f"{r['device_misses']:>10,} {r['numba_misses']:>10,}  {verdict}"
+            )
     cfg = report["config"]
     print(
         f"\nPlanning speed: {cfg['tp_batches']} batches of {cfg['tp_batch']:,} ids, "
@@ -283,6 +328,13 @@ def main() -> None:
     )
     parser.add_argument("--lookaheads", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--prefetch-distance", type=int, default=1)
+    parser.add_argument(
+        "--device-check-fractions",
+        type=float,
+        nargs="*",
+        default=[0.01],
+        help="cache sizes at which the device oracle's misses are checked (none: skip)",
+    )
     parser.add_argument("--tp-rows", type=int, default=2_000_000)
     parser.add_argument("--tp-batch", type=int, default=65_536)
     parser.add_argument("--tp-batches", type=int, default=100)

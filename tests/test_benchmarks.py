@@ -56,6 +56,8 @@ def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
         assert by_policy["MIN"] <= min(by_policy.values())
         assert by_policy["MIN"] >= report["misses"]["compulsory_misses"]
     assert report["throughput"][0]["ids_per_s"] > 0
+    checked = report["misses"]["device_check"]  # the device oracle misses as the numba one
+    assert checked and all(r["equal_every_step"] for r in checked)
 
 
 def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -> None:
