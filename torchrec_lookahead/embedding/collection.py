@@ -180,7 +180,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
 
     @property
     def feature_names(self) -> list[str]:
-        """Features in the order this module looks them up (grouped by table)."""
+        """Features in the order this module looks them up (its tables grouped by data type)."""
         return list(self._flat_features)
 
     def fused_config(self) -> dict[str, Any]:
