@@ -78,6 +78,8 @@ def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
     assert summary["weights_match"] is True and look["auroc"] == base["auroc"]
     assert summary["weights_max_difference"] == 0
     assert summary["weights_agreement"] == "bitwise equal"
+    assert summary["steps_run"] == summary["steps_asked"] == 30
+    assert len(look["loss"]) == 30 and look["loss"] == base["loss"]  # step for step
     if ranks == 2:  # hot rows replicated (auto, on a slow link), bitwise plain TorchRec's too
         assert "hot rows: auto: link 0.01 Gbit/s (stated)" in done.stdout, done.stdout[-2000:]
         assert look["hot_share"] > 0.5 and "hot rows:" in done.stdout
@@ -95,6 +97,17 @@ def test_lookahead_matches_plain_torchrec(tmp_path: Path, ranks: int) -> None:
         steady = column["samples"] * (len(steps) - 1) / len(steps) / sum(steps[1:])
         assert f"{steady:,.0f}" in _summary_row(done.stdout, "samples/s after step 1")
         assert f"{1000 * steps[0]:,.0f}" in _summary_row(done.stdout, "first step ms")
+
+
+def test_data_that_ends_before_the_limit_is_said(tmp_path: Path) -> None:
+    done, summary = run(tmp_path, *TINY, "--synthetic_days", "2", "--limit_train_batches", "100000")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = summary["steps_run"]
+    assert summary["steps_asked"] == 100000 and 0 < ran < 100000
+    assert len(summary["runs"][0]["step_s"]) == ran
+    warning = f"--limit_train_batches 100000: the training data holds {ran} batches"
+    assert warning in done.stderr
+    assert f"{ran} of the 100000 steps asked" in done.stdout
 
 
 def _summary_row(stdout: str, label: str) -> str:

@@ -131,7 +131,7 @@ def train(
 ) -> Run:
     """One pass over --epochs of training data through ``name``'s pipeline, checkpointed
     by ``checkpointer`` (every --checkpoint_every steps and at the end) if given."""
-    run = Run(name, first_step=start_step)
+    run = Run(name, first_step=start_step, steps_asked=args.limit_train_batches)
     lookahead = name == "lookahead"
     if lookahead:
         pipeline = LookaheadTrainPipeline(
@@ -161,6 +161,7 @@ def train(
     bar = tqdm(desc=f"train {name}", total=total - start_step, unit="step", disable=rank != 0)
     step = start_step
     dmp.train()
+    losses = []  # kept on the device, read once at the end: no sync per step
     with CollectiveBytes() as sent:  # every thread's collectives, the stage's too
         while True:
             if schedule.active:
@@ -168,9 +169,10 @@ def train(
             start = time.perf_counter()
             staged = pipeline.timings["stage_s"] if lookahead else 0.0
             try:
-                pipeline.progress(batches)
+                loss, _, _ = pipeline.progress(batches)  # DLRMTrain's (loss, logits, labels)
             except StopIteration:
                 break
+            losses.append(loss)
             elapsed = time.perf_counter() - start
             if lookahead:  # the trainer's wait for the stage: data read, planned, distributed
                 run.data_wait_s.append(pipeline.timings["stage_s"] - staged)
@@ -192,6 +194,7 @@ def train(
                     partial(checkpoint_state, dmp, optimizer, step, train_reader.state_dict(step)),
                 )
     bar.close()
+    run.loss = torch.stack(losses).tolist() if losses else []
     run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
     run.bytes_per_step = mean_over_ranks(sent.bytes, max(step - start_step, 1), device)
     if lookahead and (served := replica_metrics(dmp)) is not None:
@@ -315,6 +318,14 @@ def run(args: argparse.Namespace) -> int:
             if rank == 0:
                 print(f"resumed from {path} at step {start_step}")
 
+    available = len(reader(args, days, "train", rank, world_size))
+    if (args.limit_train_batches or 0) > available and rank == 0:
+        print(
+            f"warning: --limit_train_batches {args.limit_train_batches}: the training data "
+            f"holds {available} batches of {args.batch_size} samples per rank at world size "
+            f"{world_size}; training {available} steps",
+            file=sys.stderr,
+        )
     try:
         for name, dmp, optimizer in models:
             lookahead = name == "lookahead"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,9 @@ class Run:
 
     name: str
     first_step: int = 0  # where training began: a resumed run's checkpoint step
+    steps_asked: int | None = None  # --limit_train_batches (None: the whole data)
     step_s: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)  # per step, rank 0's batch
     hit_rate: list[float] = field(default_factory=list)
     samples: int = 0
     seconds: float = 0.0
@@ -120,12 +123,16 @@ def report(
         if args.plan_cache_sizes
         else f"{args.cache_load_factor:.0%} per table, raised to what the window touches"
     )
-    print(
-        f"\nDLRM ({args.interaction_type}), world size {world_size}, batch {args.batch_size} "
-        f"per rank, {len(runs[0].step_s)} steps, {args.num_workers} loader worker(s) per "
-        f"rank, lookahead {args.lookahead}; cache "
-        f"{cache_rows:,} of {rows:,} rows ({cache_rows / rows:.1%}: {sizing})"
+    ran = len(runs[0].step_s)
+    asked = runs[0].steps_asked
+    steps = f"{ran} steps" if asked in (None, ran) else f"{ran} of the {asked} steps asked"
+    settings = (
+        f"DLRM ({args.interaction_type}), world size {world_size}, batch {args.batch_size} "
+        f"per rank, {steps}, lookahead {args.lookahead}, "
+        f"{'row-wise Adagrad' if args.adagrad else 'SGD'}; cache "
+        f"{cache_rows:,} of {rows:,} rows ({cache_rows / rows:.1%})"
     )
+    print(f"\n{settings}: {sizing}; {args.num_workers} loader worker(s) per rank")
     print(f"{'':>26}" + "".join(f"{n:>16}" for n in names))
     for label in table[0]:
         print(f"{label:>26}" + "".join(f"{column[label]:>16}" for column in table))
@@ -145,11 +152,16 @@ def report(
         "weights_agreement": agreement(gap) if gap is not None else None,
         "weights_digest": digest,
         "world_size": world_size,
+        "steps_run": ran,
+        "steps_asked": asked,
         "cache_rows": cache_rows,
         "rows": rows,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    plot(runs, out / "training.png")
+    verdict = agreement(gap) if gap is not None else None
+    if verdict is not None and gap:
+        verdict += f" (largest difference {gap:.2g})"
+    plot(runs, out / "training.png", settings, verdict)
     print(f"wrote {out / 'summary.json'} and {out / 'training.png'}")
 
 
@@ -180,17 +192,36 @@ def step_time_ceiling(runs: list[Run]) -> float | None:
     return 1.25 * later[min(len(later) - 1, math.ceil(0.99 * len(later)) - 1)]
 
 
-def plot(runs: list[Run], path: Path) -> None:
+def plot(runs: list[Run], path: Path, settings: str, verdict: str | None) -> None:
+    """The runs' loss, the lookahead run's hit rate and every run's step time, per step;
+    titled with the settings and whether the final weights matched."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    fig, (losses, top, bottom) = plt.subplots(3, 1, figsize=(7, 7.5), sharex=True)
+    title = textwrap.fill(settings, 90)
+    if verdict is not None:
+        title += f"\nfinal weights against plain TorchRec: {verdict}"
+    fig.suptitle(title, fontsize=9)
     look = runs[0]
     first = len(look.step_s) - len(look.hit_rate) + 1  # a resumed run plans only its own steps
     dot = {"marker": "o", "markersize": 3}  # a series of one step draws no line: a dot
+    for r, style in zip(runs, ("-", "--")):  # the runs overlap where they agree: dash one
+        losses.plot(
+            range(1, len(r.loss) + 1),
+            r.loss,
+            label=r.name,
+            color=RUN_COLOURS.get(r.name),
+            linestyle=style,
+            linewidth=1,
+            **dot if len(r.loss) == 1 else {},
+        )
+    losses.set_ylabel("training loss\n(rank 0's batch)")
+    losses.grid(alpha=0.3)
+    losses.legend()
     top.plot(
         range(first, first + len(look.hit_rate)),
         look.hit_rate,
