@@ -296,7 +296,9 @@ def test_a_pool_of_two_tables_moves_its_rows_through_a_cuda_cache(store_on_devic
 def test_moves_copy_between_host_and_device_without_blocking(store_on_device) -> None:
     """Audit items 12 and 13: the copies of slot indices to the device (``refresh``, the
     write-back's read) and the store's scatter into a device table were blocking copies
-    from pageable memory on the current stream."""
+    from pageable memory on the current stream. A write-back into a store on the device
+    (TorchRec's UVM tables under DMP) went through host memory and back (issue 40: three
+    crossings of the host link); it now goes from the cache straight into the store."""
     with pooled_cache(store_on_device) as pooled:
         fake = pooled.fake
         fake.transfers.clear()
@@ -304,8 +306,12 @@ def test_moves_copy_between_host_and_device_without_blocking(store_on_device) ->
         pooled.apply(plan(1, fetch=[4], fetch_slots=[1], evict=[7], evict_slots=[0]))
         pooled.cache.refresh(states=True)
         pooled.cache.write_back_all()
-        assert {t.to_device for t in fake.transfers} == {True, False}  # both ways were seen
         assert [t for t in fake.transfers if t.blocking] == []
+        to_host = [t for t in fake.transfers if not t.to_device]
+        if store_on_device:  # only slot indices go to the device; no row comes to the host
+            assert fake.transfers and to_host == []
+        else:
+            assert to_host and len(to_host) < len(fake.transfers)  # both ways were seen
 
 
 # ------------------------------------------------------------ streams

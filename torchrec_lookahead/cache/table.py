@@ -199,11 +199,23 @@ class CacheTable:
         self.slot_ids[pool][slot_index] = -1
 
     def _copy_out(self, pool: int, ids: np.ndarray, slots: torch.Tensor) -> None:
-        """The rows in ``slots`` (a host index) to the store: read on the side stream,
-        after every move queued before (a fetch into these slots may not have landed yet),
-        into host memory (pinned staging on a GPU); then written into the store by the
-        host, or, for a store on the device, on the side stream."""
+        """The rows in ``slots`` (a host index) to the store, on the side stream, after
+        every move queued before (a fetch into these slots may not have landed yet).
+
+        A store on the device (TorchRec's UVM tables under DMP on CUDA) takes the rows
+        straight from the cache there: one crossing of the host link, the UVM write, and
+        no wait on the host. A store in host memory gets them through host memory (pinned
+        staging on a GPU), written by the host once they are there."""
         tensors = (self._weights[pool], *self._states[pool])
+        store, parts = self._store_parts(pool, ids)
+        if self.store.on_device:
+
+            def move() -> None:
+                index = streams.to_device(slots, self.device)
+                _scatter(store, parts, [cached.index_select(0, index) for cached in tensors])
+
+            self._side.run(move)
+            return
         cpu = torch.device("cpu")
         staged = [self.store.staging_rows(len(slots), t, cpu) for t in tensors]
 
@@ -217,12 +229,7 @@ class CacheTable:
 
         self._side.run(read)
         self._side.drain()  # the rows are in host memory now
-        store, parts = self._store_parts(pool, ids)
-        write = partial(_scatter, store, parts, staged)
-        if self.store.on_device:
-            self._side.run(write)
-        else:
-            write()
+        _scatter(store, parts, staged)
 
     def _store_parts(
         self, pool: int, ids: np.ndarray
@@ -289,6 +296,6 @@ def _scatter(
     for table, local, positions in parts:
         part = rows
         if len(positions) != count:
-            where = _host_index(positions)
+            where = streams.to_device(_host_index(positions), rows[0].device)
             part = [r.index_select(0, where) for r in rows]
         store.scatter(table, _host_index(local), part[0], part[1:])
