@@ -13,18 +13,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from torchrec_lookahead import CachePlan
+from torchrec_lookahead import CachePlan, OracleCacher, PartitionedOracle
 
 
 def replay(
     batches: Sequence[np.ndarray],
     plans: Sequence[CachePlan],
     final_flush: CachePlan,
-    capacity: int,
+    capacity: int | Sequence[int],
     prefetch_distance: int,
 ) -> None:
-    """Assert every rule of the oracle's contract (docs/design.md) on ``plans`` for ``batches``."""
+    """Assert every rule of the oracle's contract (docs/design.md) on ``plans`` for ``batches``
+    (``capacity``: the cache's, or each plan's, for a cache that grows)."""
     d = prefetch_distance
+    capacities = [capacity] * len(plans) if isinstance(capacity, int) else list(capacity)
     steps = [set(np.asarray(b).tolist()) for b in batches]
     assert [p.step for p in plans] == list(range(len(batches)))
     truth: dict[int, int] = {}  # row -> version that fully resident training would have
@@ -33,6 +35,7 @@ def replay(
 
     def apply(plan: CachePlan) -> None:
         s = plan.step
+        capacity = capacities[s]
         free_before = capacity - len(cache)
         needed_now = set().union(*steps[max(0, s - d) : s + 1])
         assert len(plan.evict_ids) == len(plan.evict_slots)
@@ -75,3 +78,25 @@ def replay(
     assert len(flushed) == len(cache), "flush must write back every resident row"
     store.update(flushed)
     assert {r: store.get(r, 0) for r in truth} == truth, "an update was lost"
+
+
+def plan_growing(
+    oracle: OracleCacher | PartitionedOracle, batches: Sequence[np.ndarray]
+) -> tuple[list[CachePlan], list[int]]:
+    """Plans for ``batches``, the oracle grown to exactly what a window needs whenever it
+    needs more slots; and the capacity each plan was made with."""
+    plans: list[CachePlan] = []
+    capacities: list[int] = []
+
+    def emitted(new: list[CachePlan]) -> None:
+        plans.extend(new)
+        capacities.extend([oracle.capacity] * len(new))
+
+    for batch in batches:
+        prepared, needed = oracle.prepare_sized(batch)
+        if needed > oracle.capacity:
+            oracle.grow(needed)
+        plan = oracle.push(prepared)
+        emitted([plan] if plan is not None else [])
+    emitted(oracle.finish())
+    return plans, capacities

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.contract import replay
+from tests.contract import plan_growing, replay
 from torchrec_lookahead import OracleCacher
 from torchrec_lookahead.oracle import kernels
 from torchrec_lookahead.oracle.cacher import TIE_BREAKS
@@ -317,3 +317,29 @@ def test_load_kernels_loads_every_planning_kernel_before_the_first_batch() -> No
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     ).stdout.split("\n")
     assert out[:2] == ["[0, 0, 0]", "[1, 1, 1]"]
+
+
+@given(traces(), tie_breaks)
+def test_an_oracle_grown_when_a_window_needs_more_slots_meets_the_contract(
+    trace, tie_break
+) -> None:
+    """Grown mid-stream (new free slots, the resident rows kept in theirs), the oracle's
+    plans keep every rule, each judged at the capacity the plan was made with."""
+    batches, num_rows, capacity, lookahead, d = trace
+    oracle = OracleCacher(1, lookahead, d, num_rows, tie_break=tie_break)
+    plans, capacities = plan_growing(oracle, batches)
+    replay(batches, plans, oracle.flush(), capacities, d)
+
+
+def test_a_batch_prepared_sized_enters_only_once_the_oracle_has_grown() -> None:
+    oracle = OracleCacher(capacity=5, lookahead=4, prefetch_distance=1)
+    oracle.push(np.array([0, 1, 2]))
+    prepared, needed = oracle.prepare_sized(np.array([3, 4, 5, 3]))
+    assert needed == 6
+    with pytest.raises(ValueError, match="at least 6"):
+        oracle.push(prepared)
+    with pytest.raises(ValueError, match="capacity must be at least 5"):
+        oracle.grow(4)
+    oracle.grow(6)
+    oracle.push(prepared)
+    assert [len(p.fetch_ids) for p in oracle.finish()] == [3, 3]

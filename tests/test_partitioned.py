@@ -9,41 +9,50 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.contract import replay
+from tests.contract import plan_growing, replay
 from tests.test_oracle import tie_breaks, traces
 from torchrec_lookahead import CachePlan, OracleCacher
 from torchrec_lookahead.oracle.kernels import global_ids, split_of
 from torchrec_lookahead.oracle.partitioned import PartitionedOracle
 
 
-def share(plan: CachePlan, low: int, high: int) -> CachePlan:
-    """The part of a plan in slots ``low..high-1``, with slots counted from ``low``."""
+def share(plan: CachePlan, owned: np.ndarray) -> CachePlan:
+    """The part of a plan in the slots ``owned``, as indices into ``owned``."""
+    local = np.full(int(owned.max()) + 1, -1)
+    local[owned] = np.arange(len(owned))
 
     def own(slots: np.ndarray) -> np.ndarray:
-        return (slots >= low) & (slots < high)
+        return np.isin(slots, owned)
 
     evicted, fetched = own(plan.evict_slots), own(plan.fetch_slots)
     return CachePlan(
         plan.step,
-        plan.slots[own(plan.slots)] - low,
+        local[plan.slots[own(plan.slots)]],
         plan.evict_ids[evicted],
-        plan.evict_slots[evicted] - low,
+        local[plan.evict_slots[evicted]],
         plan.fetch_ids[fetched],
-        plan.fetch_slots[fetched] - low,
+        local[plan.fetch_slots[fetched]],
     )
 
 
-def replay_per_partition(batches, plans, flush, oracle: PartitionedOracle, d: int) -> None:
+def replay_per_partition(
+    batches, plans, flush, oracle: PartitionedOracle, d: int, capacities=None
+) -> None:
     """The contract, checked with the shared replay on each partition's part of the plans.
 
-    A partition owns its slot range, so its rows are those whose slots fall in it; the
+    A partition owns its slots, so its rows are those whose slots are among them; the
     contract's rules hold for each partition on its own (in particular "evict only when
-    a slot is needed": a partition evicts when its own slots are full).
+    a slot is needed": a partition evicts when its own slots are full). ``capacities``:
+    the cache's at each plan, for a cache that grew.
     """
-    for low, high in zip(oracle.offsets[:-1], oracle.offsets[1:]):
-        own = [np.asarray(b)[(p.slots >= low) & (p.slots < high)] for b, p in zip(batches, plans)]
-        mine = [share(p, low, high) for p in plans]
-        replay(own, mine, share(flush, low, high), high - low, d)
+    k = oracle.partitions
+    capacities = capacities or [oracle.capacity] * len(plans)
+    for p in range(k):
+        owned = oracle.partition_slots(p)
+        own = [np.asarray(b)[np.isin(q.slots, owned)] for b, q in zip(batches, plans)]
+        mine = [share(q, owned) for q in plans]
+        shares = [c // k + (p < c % k) for c in capacities]  # a partition's share of a capacity
+        replay(own, mine, share(flush, owned), shares, d)
 
 
 @given(traces(), st.integers(1, 4), tie_breaks)
@@ -169,3 +178,18 @@ def test_batches_and_plans_are_in_table_ids_and_batch_order() -> None:
 def test_partitions_must_each_get_a_slot() -> None:
     with pytest.raises(ValueError, match="partitions"):
         PartitionedOracle(3, 1, partitions=4)
+
+
+@given(traces(), st.integers(2, 4), tie_breaks)
+def test_a_partitioned_oracle_grown_mid_stream_meets_the_contract(
+    trace, partitions, tie_break
+) -> None:
+    """Each partition grows to its share of the new capacity, its new slots numbered
+    after the old ones: every resident row keeps its slot, and each partition's plans
+    keep the contract at its share of the capacity each plan was made with."""
+    batches, num_rows, _, lookahead, d = trace
+    oracle = PartitionedOracle(
+        partitions, lookahead, d, num_rows, partitions=partitions, tie_break=tie_break
+    )
+    plans, capacities = plan_growing(oracle, batches)
+    replay_per_partition(batches, plans, oracle.flush(), oracle, d, capacities)

@@ -87,7 +87,8 @@ class CachePlanner(ABC, Generic[PreparedT]):
 
     The calls, in order: ``prepare`` a batch (checks it and changes nothing,
     so a caller planning several caches can refuse a batch before any of them
-    moves), then ``push`` what ``prepare`` returned; ``push`` returns the plan
+    moves; or ``prepare_sized`` and ``grow`` when the window needs more slots),
+    then ``push`` what ``prepare`` returned; ``push`` returns the plan
     of the step ``lookahead`` batches back once it is complete. At the end of
     the stream ``finish`` returns the plans still due, with shorter windows,
     and ``flush`` the write-back of every resident row.
@@ -112,6 +113,16 @@ class CachePlanner(ABC, Generic[PreparedT]):
     @abstractmethod
     def absent(self, prepared: PreparedT) -> np.ndarray:
         """The distinct ids of a prepared batch not resident now: what its step may fetch."""
+
+    def prepare_sized(self, batch: Any) -> tuple[PreparedT, int]:
+        """``prepare`` that does not refuse a window larger than the slots: the prepared
+        batch and the slots its window needs, to ``grow`` to before ``push``. A planner
+        that cannot grow refuses as ``prepare`` does (and then needs no more: 0)."""
+        return self.prepare(batch), 0
+
+    def grow(self, capacity: int) -> None:
+        """Have ``capacity`` slots from now on, the resident rows kept in their slots."""
+        raise ValueError(f"{type(self).__name__} cannot grow to {capacity} slots")
 
     def plan(self, batches: Iterable[Any]) -> Iterator[CachePlan]:
         """Plans for a stream of batches, in step order, with the end drained."""

@@ -32,7 +32,9 @@ each per ``prepare``, batch entry and plan, and nothing sorts a batch:
 
 The capacity rule (steps ``s-d..s`` must fit together) is checked when a
 batch enters the window, and a batch that breaks it (or has bad ids) is
-refused before any state changes, so the caller may handle the error and go on.
+refused before any state changes, so the caller may handle the error and go on;
+or the caller learns the capacity the batch needs (``prepare_sized``) and
+calls ``grow`` with it first: the new slots join the free tail.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from torchrec_lookahead.oracle.kernels import (
     enter_batch,
     prepare_batch,
 )
-from torchrec_lookahead.oracle.slots import grow_rings, grow_rows, new_state
+from torchrec_lookahead.oracle.slots import grow_rings, grow_rows, grow_slots, new_state
 from torchrec_lookahead.settings import check_count
 from torchrec_lookahead.types import CachePlan, CachePlanner
 
@@ -239,12 +241,22 @@ class OracleCacher(CachePlanner[PreparedBatch]):
         ``step-d..step`` cannot all be resident at once. Changes nothing, so a
         caller planning several tables can check all of them before any moves.
         """
-        prepared = self.prepare_unchecked(batch)
-        if prepared.pinned_rows > self.capacity:
-            raise capacity_error(
-                prepared.step, self.prefetch_distance, prepared.pinned_rows, self.capacity
-            )
+        prepared, _ = self.prepare_sized(batch)
+        self._check_capacity(prepared)
         return prepared
+
+    def prepare_sized(self, batch: Any) -> tuple[PreparedBatch, int]:
+        """``prepare`` without the capacity check: the batch and the slots its window needs
+        (``grow`` to them before ``push``)."""
+        prepared = self.prepare_unchecked(batch)
+        return prepared, prepared.pinned_rows
+
+    def grow(self, capacity: int) -> None:
+        """``capacity`` slots from now on (no fewer than now): the new slots are free, the
+        resident rows stay in theirs, so plans made so far stay valid."""
+        capacity = check_count("capacity", capacity, self.capacity)
+        self._state = grow_slots(self._state, capacity)
+        self.capacity = capacity
 
     def prepare_unchecked(
         self, batch: Any, *, parts: int = 1, part: int = 0, id_limit: int | None = None
@@ -299,6 +311,7 @@ class OracleCacher(CachePlanner[PreparedBatch]):
                 f"a batch prepared for step {prepared.step} cannot enter at step "
                 f"{self._steps_pushed} (or it was prepared by another oracle)"
             )
+        self._check_capacity(prepared)  # prepared by prepare_sized, and not grown enough
         self._enter(prepared)
         if prepared.step - self.lookahead >= self._next_plan:
             return self._emit()
@@ -328,6 +341,12 @@ class OracleCacher(CachePlanner[PreparedBatch]):
         )
 
     # ------------------------------------------------------------ internals
+
+    def _check_capacity(self, prepared: PreparedBatch) -> None:
+        if prepared.pinned_rows > self.capacity:
+            raise capacity_error(
+                prepared.step, self.prefetch_distance, prepared.pinned_rows, self.capacity
+            )
 
     def _start_of(self, step: int) -> int:
         """Stream position where batch ``step`` starts (0 before the stream)."""

@@ -63,7 +63,9 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
     Args: those of :class:`OracleCacher` (``row_table`` is called once per
     partition), and ``partitions`` (``K``), at most
     ``capacity``. Partition ``p`` owns slots ``offsets[p] .. offsets[p + 1] - 1``
-    and the ids ``i`` with ``oracle_kernels.split_of(i, K) == p``.
+    and the ids ``i`` with ``oracle_kernels.split_of(i, K) == p``; a grown
+    cache's new slots are numbered after the old ones, so each partition owns
+    a share of them too.
     """
 
     def __init__(
@@ -82,8 +84,11 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
         self.capacity = capacity
         self.num_rows = num_rows
         self.partitions = partitions
-        shares = [capacity // partitions + (p < capacity % partitions) for p in range(partitions)]
+        shares = _shares(capacity, partitions)
         self.offsets = np.concatenate([[0], np.cumsum(shares)])
+        # Each partition's slot -> the cache's: offsets[p] + slot until the cache grows.
+        self._global_slots = [np.arange(a, b) for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+        self._grown = False
         local_rows = None if num_rows is None else -(-num_rows // partitions)
         self._parts = [
             OracleCacher(
@@ -114,6 +119,10 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
     def tie_break(self) -> str:
         return self._parts[0].tie_break
 
+    def partition_slots(self, partition: int) -> np.ndarray:
+        """The cache slots ``partition`` owns, in the order of its own slots."""
+        return self._global_slots[partition]
+
     @property
     def num_resident(self) -> int:
         return sum(part.num_resident for part in self._parts)
@@ -129,25 +138,53 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
         Raises ``ValueError`` for bad ids, or when a partition's rows of steps
         ``step-d..step`` exceed its slots. Changes nothing in any partition.
         """
-        if self.partitions == 1:
-            return self._parts[0].prepare(batch)
-        k, step = self.partitions, self.steps_pushed
-        ids = as_int64(batch, f"step {step}")
-        parts = self._run(
-            lambda p: self._parts[p].prepare_unchecked(ids, parts=k, part=p, id_limit=self.num_rows)
-        )
-        over = [p for p, b in enumerate(parts) if b.pinned_rows > self._parts[p].capacity]
-        if over:
-            # Partition p's share of a capacity C is at least n once C >= k * (n - 1) + p + 1.
-            needed = max(k * (b.pinned_rows - 1) + p + 1 for p, b in enumerate(parts))
-            p, d = over[0], self.prefetch_distance
+        prepared, needed = self.prepare_sized(batch)
+        if needed > self.capacity:
+            assert isinstance(prepared, PartitionedBatch)  # one partition refuses in prepare
+            parts, k, d, step = (
+                prepared.parts,
+                self.partitions,
+                self.prefetch_distance,
+                prepared.step,
+            )
+            p = next(p for p, b in enumerate(parts) if b.pinned_rows > self._parts[p].capacity)
             raise ValueError(
                 f"step {step}: steps {max(step - d, 0)}..{step} use {parts[p].pinned_rows} "
                 f"distinct rows of partition {p} of {k}, which must be resident together "
                 f"(prefetch_distance={d}), but it owns {self._parts[p].capacity} of the "
                 f"{self.capacity} slots; a capacity of at least {needed} is needed"
             )
-        return PartitionedBatch(self, step, ids, tuple(parts))
+        return prepared
+
+    def prepare_sized(self, batch: Any) -> tuple[PreparedBatch | PartitionedBatch, int]:
+        """``prepare`` without the capacity check: the batch and the capacity that gives
+        every partition the slots its window needs (``grow`` to it before ``push``)."""
+        if self.partitions == 1:
+            return self._parts[0].prepare_sized(batch)
+        k, step = self.partitions, self.steps_pushed
+        ids = as_int64(batch, f"step {step}")
+        parts = self._run(
+            lambda p: self._parts[p].prepare_unchecked(ids, parts=k, part=p, id_limit=self.num_rows)
+        )
+        # Partition p's share of a capacity C is at least n once C >= k * (n - 1) + p + 1.
+        needed = max(k * (b.pinned_rows - 1) + p + 1 for p, b in enumerate(parts))
+        return PartitionedBatch(self, step, ids, tuple(parts)), needed
+
+    def grow(self, capacity: int) -> None:
+        """``capacity`` slots from now on: each partition grows to its share of them (a
+        share never shrinks as the capacity grows), its new slots numbered after the old
+        capacity, so that every resident row keeps its slot."""
+        if capacity < self.capacity:
+            raise ValueError(f"a cache of {self.capacity} slots cannot grow to {capacity}")
+        shares = _shares(capacity, self.partitions)
+        extra = [share - part.capacity for share, part in zip(shares, self._parts)]
+        starts = self.capacity + np.concatenate([[0], np.cumsum(extra)])
+        for p, part in enumerate(self._parts):
+            new_slots = np.arange(starts[p], starts[p + 1], dtype=np.int64)
+            self._global_slots[p] = np.concatenate([self._global_slots[p], new_slots])
+            part.grow(shares[p])
+        self.capacity = capacity
+        self._grown = True
 
     def absent(self, prepared: PreparedBatch | PartitionedBatch) -> np.ndarray:
         if isinstance(prepared, PreparedBatch):  # one partition: the oracle's own batch
@@ -205,7 +242,10 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
         def placed(p: int) -> list[CachePlan]:
             plans = [plan for plan in work(p) if plan is not None]
             for plan, batch, out in zip(plans, due, slots):
-                place(out, batch.parts[p].taken, plan.slots, self.offsets[p])
+                if self._grown:
+                    place(out, batch.parts[p].taken, self._global_slots[p][plan.slots], 0)
+                else:
+                    place(out, batch.parts[p].taken, plan.slots, self.offsets[p])
             return plans
 
         per_part = self._run(placed)
@@ -222,6 +262,8 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
             arrays = [getattr(plan, field) for plan in plans]
             if as_ids:
                 return np.concatenate([global_ids(a, p, k) for p, a in enumerate(arrays)])
+            if self._grown:
+                return np.concatenate([self._global_slots[p][a] for p, a in enumerate(arrays)])
             return np.concatenate([a + offsets[p] for p, a in enumerate(arrays)])
 
         return CachePlan(
@@ -232,3 +274,8 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
             fetch_ids=joined("fetch_ids", True),
             fetch_slots=joined("fetch_slots", False),
         )
+
+
+def _shares(capacity: int, partitions: int) -> list[int]:
+    """Each partition's slots of ``capacity``: equal, the first ones one more if needed."""
+    return [capacity // partitions + (p < capacity % partitions) for p in range(partitions)]

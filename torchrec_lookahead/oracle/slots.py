@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from torchrec_lookahead.oracle.kernels import NEVER, ROW_FIELDS, SLOT_FIELDS
+from torchrec_lookahead.oracle.kernels import FREE_GROUPS, GROUPS, NEVER, ROW_FIELDS, SLOT_FIELDS
 
-__all__ = ["GroupHeap", "OracleState", "grow_rings", "grow_rows", "new_state"]
+__all__ = ["GroupHeap", "OracleState", "grow_rings", "grow_rows", "grow_slots", "new_state"]
 
 
 class GroupHeap(NamedTuple):
@@ -89,6 +89,37 @@ def grow_rows(state: OracleState, num_rows: int) -> OracleState:
     rows = np.full((max(num_rows, 2 * size), ROW_FIELDS), -1, dtype=np.int64)
     rows[:size] = state.rows
     return state._replace(rows=rows)
+
+
+def grow_slots(state: OracleState, capacity: int) -> OracleState:
+    """``capacity`` slots, the resident rows kept in theirs: the new slots join the free
+    tail, and as many group ids (a group holds at least one slot) join the free stack."""
+    old = len(state.slots)
+    if capacity <= old:
+        return state
+    slots = _aligned((capacity, SLOT_FIELDS), -1)
+    slots[:old] = state.slots
+    g = state.groups
+    free_ids = int(g.counters[FREE_GROUPS])
+    heap = np.empty(capacity, dtype=np.int64)
+    pos = np.empty(capacity, dtype=np.int64)
+    heap[:old], pos[:old] = g.heap, g.pos
+    groups = GroupHeap(
+        head=np.concatenate([g.head, np.full(capacity - old, -1, dtype=np.int64)]),
+        heap=heap,
+        pos=pos,
+        # the new ids below the stack's top: the ids taken next stay those taken before
+        free=np.concatenate(
+            [
+                np.arange(old, capacity, dtype=np.int64),
+                g.free[:free_ids],
+                np.empty(old - free_ids, dtype=np.int64),
+            ]
+        ),
+        counters=np.array([g.counters[GROUPS], free_ids + capacity - old], dtype=np.int64),
+    )
+    link_next = np.concatenate([state.link_next, np.full(capacity - old, -1, dtype=np.int64)])
+    return state._replace(slots=slots, link_next=link_next, groups=groups)
 
 
 def grow_rings(
