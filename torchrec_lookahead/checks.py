@@ -26,6 +26,7 @@ __all__ = [
     "check_feature_ids",
     "check_structure",
     "check_variable_batch",
+    "no_fused_optimizer",
     "not_sharded",
 ]
 
@@ -204,6 +205,15 @@ def check_variable_batch(features: KeyedJaggedTensor, where: str) -> None:
                 f"{where}: feature {key!r}: inverse index {int(row[bad][0])} is "
                 f"out of range for its {stride} bags"
             )
+
+
+def no_fused_optimizer(where: str) -> ValueError:
+    """The error for lookahead tables given no fused optimizer (FBGEMM's TBE needs one)."""
+    return ValueError(
+        f"{where}: no fused optimizer: call apply_optimizer_in_backward on the module's "
+        "parameters, or pass fused_params={'optimizer': EmbOptimType..., 'learning_rate': ...} "
+        "to the collection or to its sharder"
+    )
 
 
 def not_sharded(kind: str, where: str) -> ValueError:

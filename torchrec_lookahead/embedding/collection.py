@@ -20,7 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import in_backward_optimizers
 from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
-from torchrec_lookahead.checks import not_sharded
+from torchrec_lookahead.checks import no_fused_optimizer, not_sharded
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import HostStore, MmapStore
@@ -183,6 +183,11 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         """Features in the order this module looks them up (its tables grouped by data type)."""
         return list(self._flat_features)
 
+    @property
+    def fused_params(self) -> dict[str, Any]:
+        """The TBE settings given to the constructor (the sharder's take precedence)."""
+        return dict(self._fused_params)
+
     def fused_config(self) -> dict[str, Any]:
         """The TBE settings: ``fused_params`` merged with the in-backward optimizer."""
         configured = [in_backward_optimizers(bag.weight) for bag in self.embedding_bags.values()]
@@ -197,10 +202,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             kwargs.setdefault("optimizer", optimizer_type_to_emb_opt_type(classes[0]))
             params = merge_fused_params(params, kwargs)
         if "optimizer" not in params:
-            raise ValueError(
-                "no fused optimizer: call apply_optimizer_in_backward on the module's parameters "
-                "or pass fused_params={'optimizer': EmbOptimType..., 'learning_rate': ...}"
-            )
+            raise no_fused_optimizer("the collection's tables")
         return params
 
     # ----------------------------------------------- driven by the pipeline

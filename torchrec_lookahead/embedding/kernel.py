@@ -29,6 +29,7 @@ from torchrec_lookahead._compat import (
     FusedOptimizerBase,
 )
 from torchrec_lookahead.cache.tables import CachedTables
+from torchrec_lookahead.checks import no_fused_optimizer
 from torchrec_lookahead.embedding.hot import (
     HotRowTier,
 )
@@ -73,6 +74,8 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
             buffers = _store_buffers(config, *store_files)
             fused = {**(config.fused_params or {}), "preallocated_host_buffers": buffers}
             config = dataclasses.replace(config, fused_params=fused)
+        if "optimizer" not in (config.fused_params or {}):
+            raise no_fused_optimizer(f"tables {[t.name for t in config.embedding_tables]}")
         super().__init__(config, pg, device, sharding_type, env)
         params = dict(config.fused_params or {})
         params.pop("preallocated_host_buffers", None)

@@ -97,7 +97,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             module=module,
             table_name_to_parameter_sharding=params,
             env=env,
-            fused_params=self.fused_params,
+            fused_params={**module.fused_params, **(self.fused_params or {})},
             device=device,
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
