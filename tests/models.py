@@ -138,15 +138,16 @@ class TwoModuleModel(nn.Module):
 def lookahead_model(
     optimizer: str, data_type: DataType = DataType.FP32, **cache: object
 ) -> TwoModuleModel:
-    """The model with lookahead-cached modules of ``data_type`` tables; ``cache_rows`` may
-    name tables of both; with ``store_dir`` each module keeps a disk store in a directory
-    of its own below it."""
+    """The model with lookahead-cached modules of ``data_type`` tables; ``cache_rows`` and
+    ``max_cache_rows`` may name tables of both; with ``store_dir`` each module keeps a disk
+    store in a directory of its own below it."""
 
     def settings(tables: list[EmbeddingBagConfig]) -> dict[str, object]:
         names = {t.name for t in tables}
         out = dict(cache)
-        if "cache_rows" in cache:
-            out["cache_rows"] = {k: v for k, v in cache["cache_rows"].items() if k in names}
+        for per_table in ("cache_rows", "max_cache_rows"):  # settings that name tables
+            if isinstance(cache.get(per_table), dict):
+                out[per_table] = {k: v for k, v in cache[per_table].items() if k in names}
         if "store_dir" in cache:  # a directory of its own for each module
             out["store_dir"] = Path(cache["store_dir"]) / tables[0].name
             out["store_dir"].mkdir()

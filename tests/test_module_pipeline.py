@@ -100,16 +100,6 @@ def test_a_share_smaller_than_the_window_is_raised_once_and_training_stays_exact
     assert_same_training_state(model, twin)
 
 
-def test_window_outgrowing_the_cache_sized_at_the_first_batch_is_refused() -> None:
-    model = lookahead_model("sgd", cache_rows={"t1": 8})
-    pipeline = LookaheadTrainPipeline(
-        model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu"), lookahead=2
-    )
-    stream = batches(1, batch_size=2) + batches(6, batch_size=256, seed=3)
-    with pytest.raises(ValueError, match=r"step 1: .*cache has \d+ slots; a capacity of at least"):
-        pipeline.progress(iter(stream))
-
-
 def test_training_forward_outside_the_pipeline_is_refused() -> None:
     model = lookahead_model("sgd", cache_load_factor=0.1)
     with pytest.raises(RuntimeError, match="LookaheadTrainPipeline"):

@@ -23,7 +23,10 @@ class CacheMetrics:
     miss, fetched ahead of the step. ``wait_s`` is time the trainer spent
     waiting for plans to land; ``stage_s`` time it spent waiting for the
     lookahead stage (planning on the critical path); ``plan_s`` CPU time the
-    stage spent planning (beside the steps on its thread).
+    stage spent planning (beside the steps on its thread). ``growths`` counts
+    the times the cache grew for a window that needed more slots (each counted
+    on one table of the pool that grew), ``cache_rows`` the slots the table
+    brings to its pool now (summed: the rows the cache holds).
     """
 
     steps: int = 0
@@ -36,6 +39,8 @@ class CacheMetrics:
     wait_s: float = 0.0
     stage_s: float = 0.0
     plan_s: float = 0.0
+    growths: int = 0
+    cache_rows: int = 0
 
     @property
     def hits(self) -> int:

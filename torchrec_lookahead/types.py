@@ -157,18 +157,29 @@ class CacheSizing:
     load factor wins over both. A shard gets its share of the table's slots,
     and never fewer than ``min_rows`` (nor more than it has rows). When a
     window's first batch shows that a table's share is smaller than what the
-    window touches, the table brings that instead.
+    window touches, the table brings that instead; when a later window needs
+    more slots than its pool has, the pool grows. ``max_rows[name]`` caps a
+    table's slots (a shard's cap is its share of it, as for ``cache_rows``):
+    the only reason a good batch is refused.
     """
 
     cache_load_factor: float = 0.1
     cache_rows: Mapping[str, int] = field(default_factory=dict)
     min_rows: int = 1
+    max_rows: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:  # the settings' names as the module takes them
         check_fraction("cache_load_factor", self.cache_load_factor)
         for name, rows in self.cache_rows.items():
             check_count(f"cache_rows[{name!r}]", rows, 1)
         check_count("min_cache_rows", self.min_rows, 1)
+        for name, most in self.max_rows.items():
+            check_count(f"max_cache_rows[{name!r}]", most, self.min_rows)
+            if self.cache_rows.get(name, 0) > most:
+                raise ValueError(
+                    f"cache_rows[{name!r}] = {self.cache_rows[name]} is over "
+                    f"max_cache_rows[{name!r}] = {most}"
+                )
 
     def rows(
         self, name: str, num_embeddings: int, local_rows: int, plan_load_factor: float | None = None
@@ -179,7 +190,13 @@ class CacheSizing:
             wanted = math.ceil(self.cache_rows[name] * local_rows / num_embeddings)
         else:
             wanted = math.ceil(self.cache_load_factor * local_rows)
-        return min(local_rows, max(self.min_rows, wanted, 1))
+        return min(self.cap(name, num_embeddings, local_rows), max(self.min_rows, wanted, 1))
+
+    def cap(self, name: str, num_embeddings: int, local_rows: int) -> int:
+        """The most slots a table (or a shard of ``local_rows`` of its rows) may bring."""
+        if name not in self.max_rows:
+            return local_rows
+        return min(local_rows, math.ceil(self.max_rows[name] * local_rows / num_embeddings))
 
 
 class CachedGroup(Protocol):
@@ -203,6 +220,9 @@ class PreparedGroup:
     # A window's first batch: the slots per table sized for it and the pools' planners,
     # installed when the batch enters (a refused batch leaves the sizing as it was).
     sizing: tuple[list[int], list[CachePlanner[PreparedIds]]] | None = None
+    # A window that needs more slots than a pool has: each pool's slots to grow to (and
+    # what the window needs), taken when the batch enters, like ``sizing``.
+    growth: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -224,13 +244,17 @@ class StepPlan:
     step: int
     moves: StepMoves = field(default_factory=list)
     slots: dict[CachedGroup, torch.Tensor] = field(default_factory=dict)
+    # Caches to grow before this step's moves are issued (its moves may use the new
+    # slots): run on the trainer's thread between steps, with no move in flight.
+    growths: StepMoves = field(default_factory=list)
 
     def merge(self, other: StepPlan) -> None:
-        """Add ``other``'s moves and slots (another group's plan of the same step)."""
+        """Add ``other``'s moves, slots and growths (another group's plan of the same step)."""
         if other.step != self.step:
             raise ValueError(f"plans of steps {self.step} and {other.step} cannot merge")
         self.moves.extend(other.moves)
         self.slots.update(other.slots)
+        self.growths.extend(other.growths)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torchrec_lookahead.streams as streams
 from torchrec_lookahead._compat import split_pooled_tables
 from torchrec_lookahead.cache.pools import SlotPool
 from torchrec_lookahead.store.stores import HostStore
-from torchrec_lookahead.tbe import training_tbe
+from torchrec_lookahead.tbe import set_learning_rate, training_tbe
 from torchrec_lookahead.types import CachePlan
 from torchrec_lookahead.variable_batch import padded_lookup
 
@@ -85,30 +85,53 @@ class CacheTable:
         with self._lock:
             if any(bool((ids >= 0).any()) for ids in getattr(self, "slot_ids", [])):
                 raise RuntimeError("a cache holding rows cannot be resized")
-            self.tbe = training_tbe(
-                slots,
-                [pool.dim for pool in self.pools],
-                self._optimizer,
-                self._fbgemm_params,
-                self.device,
-                self._pooling,
-                feature_table_map=self._feature_pools,
-                data_type=self._data_type,
-            )
-            split_pooled_tables(self.tbe, self._feature_tables, self._feature_pools, slots)
-            self._weights = [w.data for w in self.tbe.split_embedding_weights()]
-            states = (
-                self.tbe.split_optimizer_states()
-                if self._optimizer != EmbOptimType.EXACT_SGD
-                else []
-            )
-            self._states = [[s.data for s in pool] for pool in states] or [[] for _ in slots]
-            self.slot_ids = [
-                streams.host_side(torch.full((n,), -1, dtype=torch.int64)) for n in slots
-            ]
+            self._build(slots)
             # The TBE was made on the calling thread's stream (the stage's, at a window's
             # first batch): rows move into it on the side stream only after it is made.
             self._side.wait_for(streams.mark(self.device))
+
+    def grow(self, slots: Sequence[int]) -> None:
+        """A larger TBE, ``slots[p]`` slots (no fewer than now) for pool ``p``, holding the
+        cached rows and their optimizer state in their slots, and the old TBE's learning
+        rate and step count: training goes on as if it had been this size all along.
+
+        Called on the trainer's thread between steps with no move in flight (the
+        pipeline settles its executor first), so the copies see every update; they run
+        on the trainer's stream, which the next moves wait for.
+        """
+        with self._lock:
+            if any(n < len(ids) for n, ids in zip(slots, self.slot_ids)):
+                raise ValueError(f"a cache of {self.slots} slots cannot grow to {list(slots)}")
+            old, ids = self.tbe, self.slot_ids
+            rows = [[w, *states] for w, states in zip(self._weights, self._states)]
+            self._build(slots)
+            for p, (held, tensors) in enumerate(zip(ids, rows)):
+                for new, got in zip([self._weights[p], *self._states[p]], tensors):
+                    new[: len(held)].copy_(got)
+                self.slot_ids[p][: len(held)] = held
+            set_learning_rate(self.tbe, old.get_learning_rate())
+            self.tbe.iter.copy_(old.iter)
+            self._side.wait_for(streams.mark(self.device))
+
+    def _build(self, slots: Sequence[int]) -> None:
+        """A TBE of ``slots[p]`` empty slots for pool ``p``, with its row views."""
+        self.tbe = training_tbe(
+            slots,
+            [pool.dim for pool in self.pools],
+            self._optimizer,
+            self._fbgemm_params,
+            self.device,
+            self._pooling,
+            feature_table_map=self._feature_pools,
+            data_type=self._data_type,
+        )
+        split_pooled_tables(self.tbe, self._feature_tables, self._feature_pools, slots)
+        self._weights = [w.data for w in self.tbe.split_embedding_weights()]
+        states = (
+            self.tbe.split_optimizer_states() if self._optimizer != EmbOptimType.EXACT_SGD else []
+        )
+        self._states = [[s.data for s in pool] for pool in states] or [[] for _ in slots]
+        self.slot_ids = [streams.host_side(torch.full((n,), -1, dtype=torch.int64)) for n in slots]
 
     def state_shapes(self) -> list[list[torch.Size]]:
         """Per table, the per-row shape of each optimizer state tensor (its pool's)."""

@@ -16,6 +16,7 @@ planning costs one oracle call per pool and step whatever the number of tables.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -61,6 +62,8 @@ class CachedTables:
         feature_tables: the table of each feature, in lookup order; a table's
             features are consecutive.
         table_slots: the slots each table brings to its pool.
+        table_caps: the most slots each table may bring (``max_cache_rows``; by default
+            its rows): a pool grows up to the sum of its tables' caps.
         store: the full tables (and optimizer state) behind the cache.
         optimizer, device, pooling, fbgemm_params: the cache TBE's settings.
         data_type: the tables' data type (one per group, as TorchRec groups a TBE's
@@ -80,11 +83,13 @@ class CachedTables:
         pooling: PoolingMode = PoolingMode.SUM,
         fbgemm_params: dict[str, Any] | None = None,
         data_type: DataType = DataType.FP32,
+        table_caps: Sequence[int] | None = None,
     ) -> None:
         self.names = list(names)
         self.num_rows = list(num_rows)
         self.pools = slot_pools(self.num_rows, dims, optimizer)
         self.table_slots = list(table_slots)
+        self._caps = list(self.num_rows if table_caps is None else table_caps)
         self._optimizer = optimizer
         self._shares = list(table_slots)  # before any raise to what the window needs
         self.cache = CacheTable(
@@ -120,6 +125,7 @@ class CachedTables:
         self._context: StepContext | None = None  # the step being run, until its lookup
         self._dirty = False  # cache rows updated since the last write-back
         self._logged: set[str] = set()
+        self._pending_growth: list[int] | None = None  # pools' slots for the cache to grow to
         self._counts = {k: np.zeros(len(names), dtype=np.int64) for k in _COUNTERS}
         self._steps = 0
         # step -> (distinct ids, misses) per table: one small entry per step trained
@@ -134,7 +140,11 @@ class CachedTables:
     def metrics(self) -> list[CacheMetrics]:
         """Counters per table (a table's misses are its rows fetched into its pool)."""
         return [
-            CacheMetrics(steps=self._steps, **{k: int(v[t]) for k, v in self._counts.items()})
+            CacheMetrics(
+                steps=self._steps,
+                cache_rows=self.table_slots[t],
+                **{k: int(v[t]) for k, v in self._counts.items()},
+            )
             for t in range(len(self.names))
         ]
 
@@ -154,6 +164,7 @@ class CachedTables:
         self.cache.clear()
         self._window = window
         self._oracles = None
+        self._pending_growth = None  # the next window's first batch sizes the cache
         self._context = None
         self.step_counts.clear()
 
@@ -169,7 +180,8 @@ class CachedTables:
         is more than this one has: a shard's share of a batch varies (row-wise
         shards, hot ids split off), its whole batch does not. The sizing and
         the pools' planners travel with the prepared group and take effect at
-        ``enter``.
+        ``enter``. So does a growth: a pool whose window needs more slots than it
+        has grows (see :meth:`_growth`), and only a pool over its cap refuses.
         """
         if self.cache.device.type != "cpu":  # the CPU pools variable batches padded, any optimizer
             check_variable_batch_optimizer(features, self._optimizer, f"step {step}")
@@ -187,7 +199,7 @@ class CachedTables:
             order = streams.to_device(torch.from_numpy(places), self.cache.device)
         lookups = np.bincount(self._feature_table, weights=lengths, minlength=len(self.names))
         lookups = lookups.astype(np.int64)
-        oracles, sizing = self._oracles, None
+        oracles, sizing, table_slots = self._oracles, None, self.table_slots
         if oracles is None:
             most = lookups
             if bound:
@@ -198,14 +210,18 @@ class CachedTables:
                 self._planner(slots, p) for p, slots in enumerate(self._pool_slots(table_slots))
             ]
             sizing = (table_slots, oracles)
-        batches = [oracle.prepare(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
-        return PreparedGroup(self, step, lookups, batches, order, sizing)
+        sized = [oracle.prepare_sized(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
+        batches = [batch for batch, _ in sized]
+        growth = self._growth(self._pool_slots(table_slots), [n for _, n in sized], step)
+        return PreparedGroup(self, step, lookups, batches, order, sizing, growth)
 
     def enter(self, prepared: PreparedGroup) -> StepPlan | None:
         """A prepared batch enters the window (its planners check that it is their next
         step); returns the plan of a step now complete."""
         if prepared.sizing is not None:
             self._install(*prepared.sizing)
+        if prepared.growth is not None:
+            self._grow(prepared.growth, prepared.step)
         distinct = np.concatenate(
             [pool.table_counts(batch.unique) for pool, batch in zip(self.pools, prepared.batches)]
         )
@@ -275,9 +291,75 @@ class CachedTables:
         """
         d = self._window.prefetch_distance
         return [
-            max(share, min(rows, (d + 1) * int(count)))
-            for share, rows, count in zip(self._shares, self.num_rows, lookups)
+            max(share, min(cap, (d + 1) * int(count)))
+            for share, cap, count in zip(self._shares, self._caps, lookups)
         ]
+
+    def _growth(
+        self, slots: list[int], needed: list[int], step: int
+    ) -> list[tuple[int, int]] | None:
+        """Each pool's slots to grow to, and what its window needs, if a window needs
+        more than ``slots``; ``ValueError`` before anything changes if over a pool's cap.
+
+        A pool grows to ``GROWTH`` times its slots, or to what is needed if more,
+        within its cap: geometric growth, so a stream whose windows keep widening
+        rebuilds the cache a few times (each rebuild copies the cache and waits for
+        the moves in flight), not once per new maximum.
+        """
+        if all(n <= have for n, have in zip(needed, slots)):
+            return None
+        growth = []
+        for p, (have, n) in enumerate(zip(slots, needed)):
+            cap = sum(self._caps[t] for t in self.pools[p].tables)
+            if n > cap:
+                raise self._over_cap(p, n, cap, step)
+            growth.append((have if n <= have else min(cap, max(n, math.ceil(GROWTH * have))), n))
+        return growth
+
+    def _over_cap(self, pool: int, needed: int, cap: int, step: int) -> ValueError:
+        tables = [self.names[t] for t in self.pools[pool].tables]
+        capped = any(self._caps[t] < self.num_rows[t] for t in self.pools[pool].tables)
+        why = (
+            "max_cache_rows"
+            if capped
+            else "all its rows; with planning_workers > 1 each hash partition needs "
+            "its own share of them: plan with fewer workers"
+        )
+        d = self._window.prefetch_distance
+        return ValueError(
+            f"step {step}: steps {max(step - d, 0)}..{step} use {needed} distinct rows of "
+            f"tables {tables}, which must be resident together (prefetch_distance={d}), "
+            f"but their cache may hold at most {cap} slots ({why}); a capacity of at "
+            f"least {needed} is needed"
+        )
+
+    def _grow(self, growth: list[tuple[int, int]], step: int) -> None:
+        """A batch whose window needs more slots enters: the pools' planners grow now,
+        the cache before the first plan that may use the new slots (``_planned``)."""
+        before = self._pool_slots(self.table_slots)
+        for p, ((slots, needed), have) in enumerate(zip(growth, before)):
+            if slots == have:
+                continue
+            self._planners[p].grow(slots)
+            tables = list(self.pools[p].tables)
+            extra = _spread(slots - have, [self.table_slots[t] for t in tables])
+            for t, more in zip(tables, extra):
+                self.table_slots[t] += more
+            self._counts["growths"][tables[int(np.argmax(extra))]] += 1
+            d = self._window.prefetch_distance
+            logger.info(
+                "tables %s: cache grown from %d to %d rows at step %d (steps %d..%d use "
+                "%d distinct rows)",
+                [self.names[t] for t in tables],
+                have,
+                slots,
+                step,
+                max(step - d, 0),
+                step,
+                needed,
+            )
+        self._shares = list(self.table_slots)  # a new window starts at the grown size
+        self._pending_growth = self._pool_slots(self.table_slots)
 
     def _install(self, table_slots: list[int], oracles: list[CachePlanner[Any]]) -> None:
         """A window's first batch enters: the pools take their sizes, the planners their place."""
@@ -368,7 +450,11 @@ class CachedTables:
             if len(plan.fetch_ids) or len(plan.evict_ids)
         ]
         self._steps += 1
-        return StepPlan(step, moves, {self: step_slots})
+        growths: StepMoves = []
+        if self._pending_growth is not None:  # this plan may use the new slots
+            growths.append(partial(self.cache.grow, self._pending_growth))
+            self._pending_growth = None
+        return StepPlan(step, moves, {self: step_slots}, growths)
 
 
 def enter_groups(
@@ -396,7 +482,29 @@ def _merged(planned: list[StepPlan | None]) -> StepPlan | None:
     return merged
 
 
-_COUNTERS = ("lookups", "unique_ids", "misses", "rows_fetched", "rows_written_back", "bytes_moved")
+_COUNTERS = (
+    "lookups",
+    "unique_ids",
+    "misses",
+    "rows_fetched",
+    "rows_written_back",
+    "bytes_moved",
+    "growths",
+)
+# How much a pool grows when a window needs more slots than it has (at least what is
+# needed): each growth costs a rebuild, bounded to a few; the cache holds at most half
+# again what the widest window needed (2x would double it, 1.25x grow twice as often).
+GROWTH = 1.5
+
+
+def _spread(extra: int, shares: list[int]) -> list[int]:
+    """``extra`` slots split over tables in proportion to their ``shares`` (the remainder to
+    the largest first): what each table is counted as bringing to its grown pool."""
+    total = sum(shares)
+    split = [extra * share // total for share in shares]
+    for t in sorted(range(len(shares)), key=lambda t: -shares[t])[: extra - sum(split)]:
+        split[t] += 1
+    return split
 
 
 def _positions(edges: np.ndarray, features: np.ndarray) -> slice | np.ndarray:

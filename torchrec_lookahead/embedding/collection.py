@@ -70,11 +70,24 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         cache_load_factor: the slots a table brings to its pool, as a share of its rows.
         cache_rows: slots per table name, overriding ``cache_load_factor``. A
             share smaller than what the window touches is raised to that at
-            the first batch (see ``CachedTables.prepare``).
+            the first batch (see ``CachedTables.prepare``), and a cache whose
+            later window needs more slots than it has grows (to 1.5 times its
+            slots, or what is needed if more; logged, and counted in
+            ``cache_metrics()``: ``growths``, ``cache_rows``), keeping its rows.
         fused_params: FBGEMM TBE settings (``optimizer``, ``learning_rate``,
             ...), used where ``apply_optimizer_in_backward`` was not.
         min_cache_rows: no table (or shard) gets fewer slots, unless it has
-            fewer rows: e.g. what a window can touch, ``(d + 1) x batch`` ids.
+            fewer rows. Not needed for a window to fit (the cache grows), only
+            to start at a size that spares the growths: e.g. what a window can
+            touch, ``(d + 1)`` batches' ids; under DMP a shard's window holds
+            ids of every rank's batch, so the batch that counts is the global
+            one (``world_size x`` the per-rank batch).
+        max_cache_rows: the most slots a table may have (an ``int`` for every
+            table, or per table name; under DMP a shard's cap is its share of
+            it, as for ``cache_rows``); by default all its rows. The only
+            reason a good batch is refused: one whose window needs more slots
+            than a cache may hold raises ``ValueError`` naming the size needed,
+            before anything changes (training can go on with the next batch).
         store_dir: keep the full tables and their optimizer state in files in
             this existing directory (:class:`~torchrec_lookahead.store.stores.MmapStore`)
             instead of host memory, for tables larger than RAM. The module's
@@ -97,13 +110,19 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
         fused_params: Mapping[str, Any] | None = None,
         min_cache_rows: int = 1,
         store_dir: str | os.PathLike | None = None,
+        max_cache_rows: int | Mapping[str, int] | None = None,
     ) -> None:
         check_trained(tables)
-        sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}), min_cache_rows)
         names = [t.name for t in tables]
-        unknown = sorted(set(sizing.cache_rows) - set(names))
-        if unknown:
-            raise ValueError(f"cache_rows names unknown tables {unknown}; tables are {names}")
+        if max_cache_rows is None or isinstance(max_cache_rows, Mapping):
+            caps = dict(max_cache_rows or {})
+        else:
+            caps = dict.fromkeys(names, max_cache_rows)
+        sizing = CacheSizing(cache_load_factor, dict(cache_rows or {}), min_cache_rows, caps)
+        for setting, named in (("cache_rows", sizing.cache_rows), ("max_cache_rows", caps)):
+            unknown = sorted(set(named) - set(names))
+            if unknown:
+                raise ValueError(f"{setting} names unknown tables {unknown}; tables are {names}")
         poolings = {t.pooling for t in tables}
         if len(poolings) > 1 or not poolings <= set(_POOLING):
             raise ValueError(f"tables must share one pooling, SUM or MEAN; got {poolings}")
@@ -368,6 +387,7 @@ class LookaheadEmbeddingBagCollection(EmbeddingBagCollection):
             self._pooling,
             params,
             configs[0].data_type,
+            [self.sizing.cap(t.name, t.num_embeddings, t.num_embeddings) for t in configs],
         )
         store.allocate_states(cached.cache.state_shapes())
         return cached

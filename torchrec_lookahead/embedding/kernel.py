@@ -116,6 +116,7 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
             self.pooling,
             params,
             config.data_type,
+            [sizing.cap(t.name, t.num_embeddings, t.local_rows) for t in config.embedding_tables],
         )
         self.use_fused_optimizer(CacheAwareFusedOptimizer(config, self.store_tbe, pg, self))
 

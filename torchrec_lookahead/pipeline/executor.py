@@ -33,6 +33,9 @@ class PlanExecutor:
         self._side = streams.side_stream(device)
         self._jobs: queue.Queue[tuple[int, list[Move], Any] | None] = queue.Queue()
         self._done: dict[int, Any] = {}  # step -> the side stream's event after its moves
+        self._submitted = 0  # jobs queued, and how many of them have landed
+        self._landed = 0
+        self._last: Any = None  # the side stream's event after the last landed job
         self._applied = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lookahead-executor", daemon=True)
@@ -40,7 +43,20 @@ class PlanExecutor:
 
     def submit(self, step: int, moves: list[Move]) -> None:
         """Queue the moves of ``step``; call at its issue point, in step order."""
+        self._submitted += 1
         self._jobs.put((step, moves, streams.mark(self.device)))  # the issue point
+
+    def settle(self) -> None:
+        """Block until every move submitted so far has landed, and order the trainer's
+        stream after them: the cache is then still, e.g. to be rebuilt larger."""
+        with self._applied:
+            while self._landed < self._submitted and self._error is None:
+                self._applied.wait()
+            if self._landed < self._submitted:
+                raise RuntimeError("the cache executor failed") from self._error
+            last = self._last
+        if last is not None:
+            self._side.current_waits(last)
 
     def wait(self, step: int) -> float:
         """Block until the moves of ``step`` have landed; returns seconds waited."""
@@ -78,4 +94,6 @@ class PlanExecutor:
                 return
             with self._applied:
                 self._done[step] = landed
+                self._landed += 1
+                self._last = landed
                 self._applied.notify_all()

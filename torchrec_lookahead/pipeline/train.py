@@ -224,13 +224,19 @@ class LookaheadTrainPipeline(TrainPipeline):
         """Hand the moves of steps up to ``through`` to the executor (their issue points).
 
         Step ``s`` is planned once batch ``s + L`` has entered (or the data ended);
-        a step may have no moves, e.g. on a rank that owns no cached shard.
+        a step may have no moves, e.g. on a rank that owns no cached shard. A plan
+        made after a cache grew grows the cache first, here, between steps, once
+        the moves issued before have landed (see ``CacheTable.grow``).
         """
         entered = self._window[-1].step + 1
         planned = entered if self._data_done else entered - self.lookahead
         while self._issued <= min(through, planned - 1):
-            context = self._window[self._issued - self._window[0].step]
-            self._executor.submit(self._issued, context.plan.moves if context.plan else [])
+            plan = self._window[self._issued - self._window[0].step].plan
+            if plan is not None and plan.growths:
+                self._executor.settle()
+                for grow in plan.growths:
+                    grow()
+            self._executor.submit(self._issued, plan.moves if plan else [])
             self._issued += 1
 
 
