@@ -16,7 +16,7 @@ def test_moves_run_in_submit_order_off_the_trainer_thread() -> None:
     for step in range(5):
         executor.submit(step, [lambda s=step: seen.append((s, threading.current_thread().name))])
     for step in range(5):
-        assert executor.wait(step) >= 0
+        executor.wait(step)
     executor.close()
     executor.close()  # idempotent
     assert [s for s, _ in seen] == list(range(5))
@@ -31,3 +31,27 @@ def test_a_failed_move_is_raised_by_wait() -> None:
     with pytest.raises(RuntimeError, match="cache executor failed") as caught:
         executor.wait(1)
     assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+
+def test_wait_returns_only_after_the_steps_moves_have_landed() -> None:
+    executor = PlanExecutor(torch.device("cpu"))
+    release = threading.Event()
+    events: list[str] = []
+
+    def blocked_move() -> None:
+        release.wait()
+        events.append("step 1 landed")
+
+    executor.submit(0, [])
+    executor.submit(1, [blocked_move])
+    # Step 1's move is held until step 0's wait returned (or a failsafe, if it blocked).
+    failsafe = threading.Timer(5.0, release.set)
+    failsafe.start()
+    executor.wait(0)
+    events.append("waited for step 0")
+    failsafe.cancel()
+    threading.Timer(0.05, lambda: (events.append("released"), release.set())).start()
+    executor.wait(1)
+    events.append("waited for step 1")
+    executor.close()
+    assert events == ["waited for step 0", "released", "step 1 landed", "waited for step 1"]
