@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
+from torch.utils._python_dispatch import _pop_mode_temporarily as outside_dispatch_mode
 from torchrec.distributed.batched_embedding_kernel import (
     BatchedFusedEmbeddingBag,
     EmbeddingFusedOptimizer,
@@ -52,6 +53,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 __all__ = [
     "DATA_DEPENDENT",
+    "ITEM",
     "TBE_TAKES_HOST_BUFFERS",
     "PIN_MEMORY",
     "TO_COPY",
@@ -69,6 +71,7 @@ __all__ = [
     "has_fake_kernel",
     "in_backward_optimizers",
     "is_fake",
+    "outside_dispatch_mode",
     "observe_collectives",
     "op_schema",
     "real_tensors",
@@ -99,23 +102,33 @@ def in_backward_optimizers(param: torch.Tensor) -> tuple[list[type], list[dict[s
 
 def embedding_features(module: torch.nn.Module) -> dict[str, bool] | None:
     """The features ``module`` looks up and whether it is weighted, if it is an embedding
-    module, sharded or not. Sharded collections have no public accessor for their
-    configs or weighting (``_embedding_bag_configs``, ``_embedding_configs``,
-    ``_is_weighted``); unsharded ones do, and are read through it."""
-    configs: Sequence[Any] | None = None
-    for getter in ("embedding_bag_configs", "embedding_configs"):
-        public = getattr(module, getter, None)
-        if callable(public):
-            configs = public()
-            break
-        if isinstance(getattr(module, f"_{getter}", None), list):
-            configs = getattr(module, f"_{getter}")
-            break
+    module, sharded or not."""
+    configs = _embedding_configs(module)
     if configs is None:
         return None
     weighted = getattr(module, "is_weighted", None)
     is_weighted = bool(weighted() if callable(weighted) else getattr(module, "_is_weighted", False))
     return {f: is_weighted for config in configs for f in config.feature_names}
+
+
+def feature_rows(module: torch.nn.Module) -> dict[str, int]:
+    """The row count of the table each feature of ``module`` (an embedding module, sharded
+    or not) looks up; empty for any other module."""
+    configs = _embedding_configs(module) or []
+    return {f: config.num_embeddings for config in configs for f in config.feature_names}
+
+
+def _embedding_configs(module: torch.nn.Module) -> Sequence[Any] | None:
+    """An embedding module's table configs. Sharded collections have no public accessor for
+    them (``_embedding_bag_configs``, ``_embedding_configs``, and ``_is_weighted`` for their
+    weighting); unsharded ones do, and are read through it."""
+    for getter in ("embedding_bag_configs", "embedding_configs"):
+        public = getattr(module, getter, None)
+        if callable(public):
+            return public()
+        if isinstance(getattr(module, f"_{getter}", None), list):
+            return getattr(module, f"_{getter}")
+    return None
 
 
 # ------------------------------------------------------------ FBGEMM's TBE
@@ -533,6 +546,7 @@ DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 TO_COPY = torch.ops.aten._to_copy.default
 PIN_MEMORY = torch.ops.aten._pin_memory.default
 UNIQUE = torch.ops.aten._unique2.default
+ITEM = torch.ops.aten._local_scalar_dense.default  # what Tensor.item() dispatches to
 
 
 def is_fake(value: Any) -> bool:

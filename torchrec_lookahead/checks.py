@@ -12,7 +12,7 @@ crash, where it is inconsistent.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,11 +37,16 @@ class BatchTypeError(TypeError, ValueError):
     """A batch refused for a tensor of the wrong type."""
 
 
-def check_batch(batch: Any, weighted: dict[str, bool], where: str) -> None:
-    """Refuse ``batch`` unless its sparse features are well formed and known.
+def check_batch(
+    batch: Any, weighted: dict[str, bool], where: str, rows: Mapping[str, int] | None = None
+) -> None:
+    """Refuse ``batch`` unless its sparse features are well formed and known, and the ids
+    of the features in ``rows`` lie in their tables.
 
     ``weighted`` maps every feature some embedding module of the model looks
-    up to whether that module is weighted. A batch's other tensors
+    up to whether that module is weighted; ``rows``, a feature of a cached table
+    to that table's rows (its ids are read on the host: check the batch there,
+    before it moves to a device). A batch's other tensors
     (``dense_features``, ``labels``, as ``torchrec.datasets.utils.Batch``
     carries them) must hold as many samples as its sparse features.
     """
@@ -64,6 +69,15 @@ def check_batch(batch: Any, weighted: dict[str, bool], where: str) -> None:
             raise ValueError(
                 f"{where}: {name} has {len(tensor)} samples but the sparse features have {samples}"
             )
+    if rows:
+        unchecked = np.iinfo(np.int64).max  # features of plain TorchRec modules
+        check_feature_ids(
+            features.values().numpy(force=True),
+            features.length_per_key(),
+            keys,
+            [rows.get(k, unchecked) for k in keys],
+            where,
+        )
 
 
 def check_structure(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
@@ -28,7 +27,6 @@ from torchrec_lookahead._compat import (
     ShardedCollectionBase,
 )
 from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
-from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.embedding.kernel import LookaheadFusedEmbeddingBag
 from torchrec_lookahead.embedding.lookup import LookaheadPooledEmbeddingsLookup
@@ -90,9 +88,6 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         # The last batch every rank let through this module's vote since ``attach``: a
         # refused batch's stand-in in the collectives (see ``prepare``).
         self._stand_in: KeyedJaggedTensor | None = None
-        self._feature_rows = {
-            f: t.num_embeddings for t in self.embedding_bag_configs() for f in t.feature_names
-        }
         self._table_features = {t.name: list(t.feature_names) for t in self.embedding_bag_configs()}
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
@@ -157,19 +152,19 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
     def prepare(
         self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
     ) -> ModuleInput:
-        """Check the ids of the batch of ``step``, distribute it (a collective), and check
-        every shard's cache.
+        """Distribute the batch of ``step`` (a collective), and check every shard's cache.
 
-        ``refusal`` is the stage's verdict on the batch as a whole (its
-        structure, see :mod:`~torchrec_lookahead.checks`). It and bad ids are
-        voted on with a window that does not fit a shard's cache, once per batch,
+        ``refusal`` is the stage's verdict on the batch as a whole (its structure and
+        ids, checked on the host before the batch moved, see
+        :mod:`~torchrec_lookahead.checks`). It is voted on with a batch kind this
+        collection cannot take and a window that does not fit a shard's cache, once per batch,
         after the collective. A batch refused on any rank is refused on every
         rank, so all ranks drop it together and their collectives stay in step:
         a rank that refuses its batch sends the last batch that passed the vote
         in its place, to be dropped with it. Until one has passed (the same on
         every rank), the first refusals are voted on before the collective too.
         """
-        error = refusal or self._check_ids(features, step) or self.batch_kind_refusal(features)
+        error = refusal or self.batch_kind_refusal(features)
         if self._stand_in is None or self.env.world_size == 1:
             self._agree(error)
         elif error is not None:
@@ -219,20 +214,6 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
             count = sum(per_key.get(f, 0) for f in feature_names)
             bound[table] = self.env.world_size * count
         return bound
-
-    def _check_ids(self, features: KeyedJaggedTensor, step: int) -> ValueError | None:
-        unchecked = np.iinfo(np.int64).max  # features of other modules
-        try:
-            check_feature_ids(
-                features.values().cpu().numpy(),
-                features.length_per_key(),
-                features.keys(),
-                [self._feature_rows.get(k, unchecked) for k in features.keys()],
-                f"step {step}",
-            )
-        except ValueError as error:
-            return error
-        return None
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
         """Why this collection cannot take a batch of ``features``' kind, if it cannot."""

@@ -39,10 +39,13 @@ import torch
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead.checks import check_batch
 from torchrec_lookahead.idle import run_when_idle
-from torchrec_lookahead.settings import check_count
 from torchrec_lookahead.types import LookaheadModule, StepContext, StepPlan
 
 __all__ = ["LookaheadStage", "StageItem"]
+
+# Batches the stage reads and plans ahead of what the trainer has taken (a constant: no
+# caller needs another); the window itself, ``lookahead``, is the modules', not this queue's.
+QUEUE_DEPTH = 4
 
 
 @dataclass
@@ -66,9 +69,10 @@ class LookaheadStage:
         features: every feature some embedding module of the model looks up, and
             whether that module is weighted.
         device: where batches go.
-        depth: batches planned ahead of what the trainer has taken.
         threaded: plan on a background thread of idle priority (default), else
             inline in ``get``, on the trainer's thread.
+        rows: each feature of a lookahead module, the rows of its table: a batch's ids
+            of it are checked on the host, before the batch moves to ``device``.
     """
 
     def __init__(
@@ -76,14 +80,15 @@ class LookaheadStage:
         modules: Sequence[LookaheadModule],
         features: Mapping[str, bool],
         device: torch.device,
-        depth: int = 4,
         threaded: bool = True,
+        rows: Mapping[str, int] | None = None,
     ) -> None:
         self.threaded = threaded
         self._modules = list(modules)
         self._features = dict(features)
+        self._rows = dict(rows or {})
         self._device = device
-        self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=check_count("depth", depth, 1))
+        self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=QUEUE_DEPTH)
         self._lane = streams.new_stream(device, "stage")  # its own stream (none on the CPU)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -159,7 +164,7 @@ class LookaheadStage:
             return StageItem(error=_at_step(error, self._entered, "reading"))
         refusal = None
         try:
-            check_batch(batch, self._features, f"step {self._entered}")
+            check_batch(batch, self._features, f"step {self._entered}", self._rows)
         except ValueError as error:  # voted on by the modules (DMP: on every rank)
             refusal = error
         try:

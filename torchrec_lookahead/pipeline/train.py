@@ -14,7 +14,7 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 from torchrec.distributed.types import ShardedModule
 
-from torchrec_lookahead._compat import embedding_features
+from torchrec_lookahead._compat import embedding_features, feature_rows
 from torchrec_lookahead.checks import not_sharded
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import load_kernels
@@ -98,6 +98,7 @@ class LookaheadTrainPipeline(TrainPipeline):
             _declared_features(model),
             device,
             threaded=stage_on_thread(device, stage_thread),
+            rows={f: n for m in self._cached for f, n in feature_rows(m).items()},
         )
         # Batches entered, not yet run, in step order: the first is the step progress() runs
         # next, the last the newest that entered (the stage numbers them).

@@ -32,7 +32,7 @@ shadows do what the GPU would) is kept apart, as *emulation*: what the host woul
 from __future__ import annotations
 
 import collections
-import sys
+import inspect
 import threading
 import time
 from collections.abc import Iterator
@@ -42,15 +42,16 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import _pop_mode_temporarily
 
 from torchrec_lookahead._compat import (
+    ITEM,
     PIN_MEMORY,
     TO_COPY,
     UNIQUE,
     DispatchMode,
     FakeTensor,
     is_fake,
+    outside_dispatch_mode,
 )
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.threads import in_new_threads
@@ -62,7 +63,7 @@ aten = torch.ops.aten
 # Operators on a CUDA tensor that make the host wait for the device: a value read back,
 # or an output whose shape depends on the data.
 WAIT_OPS = {
-    aten._local_scalar_dense.default: "item",
+    ITEM: "item",
     aten.equal.default: "equal",
     aten.nonzero.default: "nonzero",
     aten.masked_select.default: "masked_select",
@@ -191,7 +192,7 @@ class HostCounter:
                 # The store joins back-to-back tables (a view of a storage): fake CUDA's
                 # shadows take no storage, but the shadow follows the storage anyway, so
                 # the fake tensor mode alone runs it (fake CUDA's mode set aside).
-                with _pop_mode_temporarily():
+                with outside_dispatch_mode():
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
         finally:
@@ -229,7 +230,7 @@ def _call_site() -> str:
     """The innermost frame of the watched code, ``path:line (function)`` with the path from
     the package (or from ``site-packages``); if that is not this package's, ``via`` the
     innermost frame that is."""
-    site, frame = "", sys._getframe(2)
+    site, frame = "", inspect.currentframe()  # this module's frames are skipped (testing/)
     while frame is not None:
         name = frame.f_code.co_filename
         if not any(part in name for part in _NOT_SITES):
@@ -239,7 +240,7 @@ def _call_site() -> str:
             if at >= 0:
                 return f"{site} via {where}" if site else where
             site = site or where
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return site or "?"
 
 
