@@ -4,7 +4,7 @@ without torch, for the reports that only read them)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 __all__ = ["EMBEDDING_KINDS", "KINDS", "CacheMetrics"]
 
@@ -33,7 +33,6 @@ class CacheMetrics:
     lookups: int = 0
     unique_ids: int = 0
     misses: int = 0
-    rows_fetched: int = 0
     rows_written_back: int = 0
     bytes_moved: int = 0
     wait_s: float = 0.0
@@ -47,6 +46,12 @@ class CacheMetrics:
         return self.unique_ids - self.misses
 
     @property
+    def rows_fetched(self) -> int:
+        """Rows copied into the cache: read-only, ``misses`` by another name (every miss
+        is fetched ahead of its step; the reports' ``rows_fetched_per_step`` reads it)."""
+        return self.misses
+
+    @property
     def hit_rate(self) -> float:
         return self.hits / self.unique_ids if self.unique_ids else 0.0
 
@@ -54,7 +59,3 @@ class CacheMetrics:
         summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
         summed["steps"] = max(self.steps, other.steps)
         return CacheMetrics(**summed)
-
-    def as_dict(self) -> dict[str, float]:
-        """Every counter plus hits and hit rate, for loggers."""
-        return asdict(self) | {"hits": self.hits, "hit_rate": self.hit_rate}

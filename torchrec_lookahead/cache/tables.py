@@ -441,7 +441,6 @@ class CachedTables:
         )[order]
         self.step_counts[step][1][:] = fetched
         self._counts["misses"] += fetched
-        self._counts["rows_fetched"] += fetched
         self._counts["rows_written_back"] += evicted
         self._counts["bytes_moved"] += (fetched + evicted) * self._row_bytes
         moves: StepMoves = [
@@ -486,7 +485,6 @@ _COUNTERS = (
     "lookups",
     "unique_ids",
     "misses",
-    "rows_fetched",
     "rows_written_back",
     "bytes_moved",
     "growths",
