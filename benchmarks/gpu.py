@@ -11,7 +11,9 @@ at world size 1 over NCCL, table-wise. The settings:
 * ``lookahead``: this project's sharder and pipeline at the same fractions.
 
 A figure is the median step time after --warmup steps (CUDA synchronised around
-each step), and the peak HBM allocated; for lookahead also, per step after warm-up,
+each step; with --repeats, the median over rounds that run every setting in turn), and
+the peak HBM allocated; for lookahead the bytes its cache moved per step (rows and their
+optimizer state, both ways); for lookahead also, per step after warm-up,
 how long the trainer waited for the stage's planned batch and the stage thread's CPU
 time (input dist and planning), which say whether the stage bounds the step. Prints
 one table, writes ``OUT/report.json``. Needs a GPU (``make gpu-check`` runs it; one
@@ -146,6 +148,7 @@ def measure(
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     steady = times[args.warmup :] or times
+    moved = split.bytes_per_step(len(steady))
     return {
         "setting": kind,
         "cache_fraction": fraction,
@@ -153,6 +156,7 @@ def measure(
         "step_ms": 1000 * statistics.median(steady),
         "samples_per_s": args.batch_size / statistics.median(steady),
         "peak_hbm_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+        "bytes_moved_per_step": moved,
         **split.per_step_ms(len(steady)),
     }
 
@@ -169,7 +173,8 @@ class Split:
     def _now(self) -> dict[str, float]:
         assert self._pipeline is not None
         stage = {f"stage_cpu_{k}": v for k, v in self._pipeline.stage_timings.items()}
-        return {**self._pipeline.timings, **stage}
+        moved = float(self._pipeline.cache_metrics()["total"].bytes_moved)
+        return {**self._pipeline.timings, **stage, "bytes_moved": moved}
 
     def start(self) -> None:
         if self._pipeline is not None:
@@ -182,7 +187,15 @@ class Split:
         return {
             k.removesuffix("_s") + "_ms": 1000 * (now[k] - self._at_start.get(k, 0.0)) / steps
             for k in now
+            if k.endswith("_s")
         }
+
+    def bytes_per_step(self, steps: int) -> float | None:
+        """Bytes the cache moved between device and store per step after warm-up (rows and
+        their optimizer state, fetched and written back); None for the other settings."""
+        if self._pipeline is None or not self._at_start or not steps:
+            return None
+        return (self._now()["bytes_moved"] - self._at_start["bytes_moved"]) / steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--planning-workers", type=int, default=1, help="lookahead's planning threads")
     p.add_argument("--cache-fractions", type=float, nargs="+", default=[0.02, 0.05, 0.10])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="rounds over every setting, alternated")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device here; it needs a GPU", file=sys.stderr)
@@ -213,24 +227,33 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl", rank=0, world_size=1)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    try:
-        results = [
-            measure(kind, fraction, args, device)
-            for kind, fraction in settings(args.cache_fractions)
+    try:  # every setting once per round, so drift on the machine spreads over all of them
+        rounds = [
+            [
+                measure(kind, fraction, args, device)
+                for kind, fraction in settings(args.cache_fractions)
+            ]
+            for _ in range(args.repeats)
         ]
     finally:
         dist.destroy_process_group()
+    results = [dict(runs[0], step_ms_rounds=[r["step_ms"] for r in runs]) for runs in zip(*rounds)]
+    for r in results:  # the median round's step time
+        r["step_ms"] = statistics.median(r["step_ms_rounds"])
+        r["samples_per_s"] = args.batch_size * 1000 / r["step_ms"]
     print(
         f"{'setting':>10}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}"
-        f"{'stage wait':>12}{'stage CPU':>11}"
+        f"{'MiB moved':>11}{'stage wait':>12}{'stage CPU':>11}"
     )
     for r in results:
         share = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.0%}"
         stage_cpu = sum(v for k, v in r.items() if k.startswith("stage_cpu_"))
         wait, cpu = (f"{r['stage_ms']:.2f}", f"{stage_cpu:.2f}") if "stage_ms" in r else ("-", "-")
+        moved = r["bytes_moved_per_step"]
+        mib = "-" if moved is None else f"{moved / 2**20:.2f}"
         print(
             f"{r['setting']:>10}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
-            f"{r['peak_hbm_mb']:>13,.0f}{wait:>12}{cpu:>11}"
+            f"{r['peak_hbm_mb']:>13,.0f}{mib:>11}{wait:>12}{cpu:>11}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

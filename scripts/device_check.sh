@@ -22,5 +22,6 @@ export PYTHONPATH=$site:$PWD
 nvidia-smi -L
 bash scripts/gpu_check.sh python3 /tmp/gpu_check
 rc=$?
-cp /tmp/gpu_check/{summary,versions,tests,bench,example}.txt /tmp/gpu_check/report.json "$out"/ 2>/dev/null
+cp /tmp/gpu_check/{summary,versions,tests,bench,heavy,example}.txt /tmp/gpu_check/report.json "$out"/ 2>/dev/null
+cp /tmp/gpu_check/heavy/report.json "$out"/heavy.json 2>/dev/null
 exit $rc

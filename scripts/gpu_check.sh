@@ -41,6 +41,14 @@ part "cuda tests: the cache (sanitizer)" "$out/tests.txt" \
   env TORCH_CUDA_SANITIZER=1 "${pytest[@]}" -k "not dlrm_example"
 # shellcheck disable=SC2086
 part "benchmarks/gpu.py" "$out/bench.txt" "$py" benchmarks/gpu.py --out "$out" ${GPU_BENCH_ARGS:-}
+# Issue 40's miss-heavy regime (docs/results.md, "Bytes over the host link"): full-size
+# tables, dim 128, 1% caches, 32,768 samples, each setting twice in alternation, with the
+# bytes lookahead's cache moved per step. GPU_HEAVY_ARGS replaces these arguments.
+heavy=(--scale 1.0 --dim 128 --zipf 1.05 --batch-size 32768 --cache-fractions 0.01
+       --steps 40 --warmup 10 --repeats 2)
+# shellcheck disable=SC2086
+part "benchmarks/gpu.py (miss-heavy)" "$out/heavy.txt" \
+  "$py" benchmarks/gpu.py --out "$out/heavy" ${GPU_HEAVY_ARGS:-${heavy[*]}}
 part "cuda tests: the example" "$out/example.txt" "${pytest[@]}" -k dlrm_example
 # Two ranks over NCCL: hot rows with table-wise tables, then with row-wise tables, each
 # against plain TorchRec on the same plan. NCCL refuses two ranks on one GPU.
