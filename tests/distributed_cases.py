@@ -355,9 +355,12 @@ class MixedModel(torch.nn.Module):
         return loss, (loss.detach(), logits.detach())
 
 
-def mixed(cached_type: type, sharders: list, world_size: int):
+def mixed(cached_type: type, sharders: list, world_size: int, cache: dict | None = None):
+    """The mixed model sharded by DMP, and its optimizer; ``cache``: the lookahead
+    collection's settings (a load factor of 0.2 by default)."""
     all_tables = tables()
-    cached_kwargs = {"cache_load_factor": 0.2} if cached_type is not EmbeddingBagCollection else {}
+    cache = {"cache_load_factor": 0.2} if cache is None else cache
+    cached_kwargs = cache if cached_type is not EmbeddingBagCollection else {}
     # One cached table: under table-wise sharding at world size 2 one rank owns no cached shard.
     model = MixedModel(
         cached_type(tables=all_tables[:1], device=torch.device("meta"), **cached_kwargs),
@@ -457,6 +460,75 @@ def check_integration(rank: int, world_size: int, checkpoint_dir: str) -> None:
     dcp.load(state, checkpoint_id=checkpoint_dir)
     fresh.load_state_dict(state)
     assert_equal_states(look.state_dict(), fresh.state_dict(), "checkpoint round trip")
+
+
+def multi_hot_batch(rank: int, step: int, size: int) -> Batch:
+    """A batch of ``size`` samples whose bags hold 0 to 2 skewed ids of each table."""
+    rng = np.random.default_rng([rank, step, 43])
+    lengths = rng.integers(0, 3, size=(len(SIZES), size))
+    values = [
+        np.floor(rows * rng.random(int(n.sum())) ** 3).astype(np.int64)
+        for rows, n in zip(SIZES, lengths, strict=True)
+    ]
+    return Batch(
+        dense_features=torch.from_numpy(rng.standard_normal((size, 13)).astype(np.float32)),
+        sparse_features=KeyedJaggedTensor.from_lengths_sync(
+            keys=feature_names(SyntheticCriteo(table_sizes=SIZES)),
+            values=torch.from_numpy(np.concatenate(values)),
+            lengths=torch.from_numpy(lengths.reshape(-1)),
+        ),
+        labels=torch.from_numpy(rng.integers(0, 2, size)),
+    )
+
+
+def check_mixed_growth(rank: int, world_size: int) -> None:
+    """The mixed model (a lookahead and a plain collection) at default cache settings, bags
+    of 0 to 2 ids, batches of 32 per rank and then of 512: the cache sized at the first
+    batch grows when the larger ones come, and training goes to the end bitwise plain
+    TorchRec's; each rank's growths are logged and counted alike."""
+    import logging
+
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    from torchrec_lookahead import lookahead_sharders
+
+    batches = [multi_hot_batch(rank, s, 32 if s < 4 else 512) for s in range(14)]
+    base, base_opt = mixed(EmbeddingBagCollection, get_default_sharders(), world_size)
+    look, look_opt = mixed(LookaheadEmbeddingBagCollection, lookahead_sharders(), world_size, {})
+    look.load_state_dict(base.state_dict())
+    base_pipeline = TrainPipelineSparseDist(base, base_opt, torch.device("cpu"))
+    expected = train(base_pipeline, batches)
+    base_pipeline.detach()
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("torchrec_lookahead")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        with LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=4) as pipeline:
+            got = train(pipeline, batches)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert len(got) == len(batches)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), "outputs differ"
+    assert_equal_states(base.state_dict(), look.state_dict(), "mixed weights")
+    assert_equal_states(base_opt.state_dict()["state"], look_opt.state_dict()["state"], "optim")
+    grown = [line for line in lines if "cache grown" in line]
+    total = pipeline.cache_metrics()["total"]
+    assert total.growths == len(grown), (total, grown)
+    growths = torch.tensor([total.growths])
+    dist.all_reduce(growths)
+    assert growths.item() > 0, "no rank's cache grew"
+    for line in grown:
+        print(f"rank {rank}: {line} (cache_rows now {total.cache_rows})", flush=True)
+
+
+def mixed_growth_worker(rank: int, world_size: int, port: int) -> None:
+    _in_process_group(rank, world_size, port, lambda: check_mixed_growth(rank, world_size))
 
 
 def check_malformed_batches(rank: int, world_size: int) -> None:

@@ -10,6 +10,7 @@ from tests.distributed_cases import (
     hot_rows_worker,
     integration_worker,
     malformed_worker,
+    mixed_growth_worker,
     planned_worker,
     row_wise_deduplicated_worker,
     tracing_worker,
@@ -130,6 +131,12 @@ def test_deduplicated_batches_match_plain_torchrec(world_size: int) -> None:
 
 def test_mixed_modules_bad_batch_on_one_rank_eval_and_checkpoint(tmp_path) -> None:
     spawn(integration_worker, (2, free_port(), str(tmp_path / "ckpt")), nprocs=2)
+
+
+def test_a_mixed_multi_hot_model_whose_batches_widen_grows_its_cache_and_stays_exact() -> None:
+    """Issue 43: a plain and a lookahead collection, bags of 0 to 2 ids, default cache
+    settings, later batches 16 times the first: the caches grow, no batch is refused."""
+    spawn(mixed_growth_worker, (2, free_port()), nprocs=2)
 
 
 def test_malformed_batches_on_one_rank_are_refused_on_every_rank() -> None:
