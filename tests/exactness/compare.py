@@ -100,22 +100,26 @@ class Ranker(torch.nn.Module):
 def rank_batches(config: Config, rank: int) -> list[Batch]:
     """Rank ``rank``'s batches: Zipf ids (a table's row order shuffled), one id a bag or
     0 to 5, weights in [0.5, 1.5] where weighted, sessions of ``SESSION`` samples
-    sharing the first feature of each table where deduplicated."""
+    sharing the first feature of each table where deduplicated; where the caches grow,
+    the first third of them a quarter the size (at least ``SESSION`` samples)."""
     out = []
     for step in range(config.steps):
         rng = np.random.default_rng([config.seed, config.index, rank, step])
+        size = config.batch
+        if config.grow and step < config.steps // 3:
+            size = max(SESSION, config.batch // 4)
         keys, lengths, values = [], [], []
         for table in config.tables:
             order = np.random.default_rng([config.seed, config.index, 7]).permutation(table.rows)
             for k, feature in enumerate(table.features):
-                samples = config.batch // SESSION if config.dedup and k == 0 else config.batch
+                samples = size // SESSION if config.dedup and k == 0 else size
                 n = rng.poisson(1.5, samples) if table.multi_hot else np.ones(samples, np.int64)
                 ids = order[np.minimum(rng.zipf(1.3, int(n.sum())) - 1, table.rows - 1)]
-                if samples < config.batch:  # a session's samples share the bag
+                if samples < size:  # a session's samples share the bag
                     starts = np.concatenate([[0], np.cumsum(n)])
                     bags = [ids[starts[i] : starts[i + 1]] for i in range(samples)]
                     n = np.repeat(n, SESSION)
-                    ids = np.concatenate([bags[i // SESSION] for i in range(config.batch)])
+                    ids = np.concatenate([bags[i // SESSION] for i in range(size)])
                 keys.append(feature)
                 lengths.append(n)
                 values.append(ids)
@@ -133,8 +137,8 @@ def rank_batches(config: Config, rank: int) -> list[Batch]:
         )
         if config.dedup:
             features = deduplicate(features, [t.features[0] for t in config.tables])
-        dense = torch.from_numpy(rng.standard_normal((config.batch, DENSE_IN)).astype(np.float32))
-        labels = torch.from_numpy((rng.random(config.batch) < 0.3).astype(np.int64))
+        dense = torch.from_numpy(rng.standard_normal((size, DENSE_IN)).astype(np.float32))
+        labels = torch.from_numpy((rng.random(size) < 0.3).astype(np.int64))
         out.append(Batch(dense_features=dense, sparse_features=features, labels=labels))
     return out
 
@@ -332,8 +336,9 @@ def window_floor(config: Config) -> int:
     """The cache rows a window may need where batches vary in size (bags of several ids,
     deduplicated sessions), which a window's first batch does not bound: ``d + 1`` times
     the most ids any table gets from all ranks' batches of one step. (Fixed-shape
-    batches need none: the caches size themselves from the first.)"""
-    if not any(t.multi_hot for t in config.tables) and not config.dedup:
+    batches need none: the caches size themselves from the first.) None where the
+    caches grow: they start at their load factor and grow as the windows widen."""
+    if config.grow or (not any(t.multi_hot for t in config.tables) and not config.dedup):
         return 1
     everyone = [rank_batches(config, r) for r in range(config.world_size)]
     most = 0
@@ -363,6 +368,7 @@ class _Run:
         self._iter = iter(stream)
         self.min_cache_rows = window_floor(config)
         self.dirs: list[str] = []
+        self.grown = 0  # growths of the caches of models replaced (resume)
         self.model, self.optimizer, self.plan = self._new_model()
         self.model.load_state_dict(base[0].state_dict())  # plain TorchRec's weights
         self.pipeline = self._pipeline()
@@ -408,12 +414,17 @@ class _Run:
         """A checkpoint of this model loaded into a new one, which trains on."""
         state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         self.pipeline.close()
+        self.grown = self.growths()
         self.model, self.optimizer, _ = self._new_model()
         self.model.load_state_dict(state)
         self.optimizer.load_state_dict(optimizer_state)
         self.pipeline = self._pipeline()
         self._iter = iter(self.batches[self.trained :])
         self.refusals = 0
+
+    def growths(self) -> int:
+        """Times this rank's caches grew, over every model of the run."""
+        return self.grown + self.pipeline.cache_metrics()["total"].growths
 
     def close(self) -> None:
         self.pipeline.close()
@@ -447,14 +458,14 @@ def oracle_divergence(config: Config, batches: list[Batch]) -> Divergence | None
     return None
 
 
-def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
-    """Train ``config`` both ways on this rank; the first divergence (or None) and the
-    largest difference seen."""
+def compare(config: Config, rank: int) -> tuple[Divergence | None, float, int]:
+    """Train ``config`` both ways on this rank; the first divergence (or None), the
+    largest difference seen, and how many times this rank's caches grew."""
     torch.manual_seed(config.index)
     batches = rank_batches(config, rank)
     planned = oracle_divergence(config, batches) if rank == 0 else None  # one stream will do
     if _everywhere(0.0 if planned is None else 1.0):  # every rank stops, or none
-        return planned or Divergence(-1, "the device oracle (on rank 0)", 0.0), 0.0
+        return planned or Divergence(-1, "the device oracle (on rank 0)", 0.0), 0.0, 0
     hot = hot_rows(config)
     base = build(config, False)
     events = dict(config.events)
@@ -467,7 +478,7 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
     run = _Run(config, hot, base, batches, stream, refusals)
     if run.plan != base[2]:
         run.close()
-        return Divergence(-1, "the sharding plans differ", float("inf")), float("inf")
+        return Divergence(-1, "the sharding plans differ", float("inf")), float("inf"), 0
     snapshot = build(config, False) if "reload" in events.values() else None
     reload_from = {s: s // 2 for s, e in events.items() if e == "reload"}
     rates = [[g["lr"] for g in o.param_groups] for o in (base[1], run.optimizer)]
@@ -484,7 +495,8 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
             gap = _everywhere(_gap(expected, got))
             worst = max(worst, gap)
             if gap > config.tolerance:
-                return Divergence(step, f"output ({_first_state_gap(base, run)})", gap), worst
+                what = f"output ({_first_state_gap(base, run)})"
+                return Divergence(step, what, gap), worst, run.growths()
             if snapshot is not None and step in reload_from.values():
                 snapshot[0].load_state_dict(base[0].state_dict())
                 snapshot[1].load_state_dict(base[1].state_dict())
@@ -500,7 +512,7 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
                     model.train()
                 worst = max(worst, gap)
                 if gap > config.tolerance:
-                    return Divergence(step, "eval output", gap), worst
+                    return Divergence(step, "eval output", gap), worst, run.growths()
                 base_pipe = TrainPipelineSparseDist(base[0], base[1], torch.device("cpu"))
                 base_iter = iter(batches[step + 1 :])
             elif event == "reattach":
@@ -529,7 +541,7 @@ def compare(config: Config, rank: int) -> tuple[Divergence | None, float]:
             gap, where = _state_gap(expected, got, what)
             worst = max(worst, gap)
             if gap > config.tolerance:
-                return Divergence(-1, where, gap), worst
-        return None, worst
+                return Divergence(-1, where, gap), worst, run.growths()
+        return None, worst, run.growths()
     finally:
         run.close()

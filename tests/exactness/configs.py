@@ -57,6 +57,9 @@ class Config:
     schedule: str  # "none", "warmup_decay", "random" (a new rate every step)
     events: tuple[tuple[int, str], ...]  # (after step, event)
     stage_thread: bool
+    # The caches start at the load factor, with no floor for the widest window, and the
+    # first third of the steps' batches are a quarter the size: the caches grow mid-run.
+    grow: bool = False
 
     @property
     def features(self) -> list[str]:
@@ -85,6 +88,7 @@ class Config:
             "disk" if self.disk_store else "",
             f"lr={self.schedule}" if self.schedule != "none" else "",
             "inline" if not self.stage_thread else "",
+            "grow" if self.grow else "",
             " ".join(f"{e}@{s}" for s, e in self.events),
         ]
         return (
@@ -175,6 +179,8 @@ def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
         events=tuple(dict(events).items()),  # one event per step at most
         stage_thread=bool(rng.random() < 0.7),
     )
+    # Growth last too, from a generator of its own, for the same reason.
+    config = replace(config, grow=bool(np.random.default_rng([seed, index, 44]).random() < 0.4))
     if replicable or config.disk_store:  # the replicas and the disk store hold FP32 rows
         return config
     # Data types last, from a generator of their own: a seed's other draws stay as they were.

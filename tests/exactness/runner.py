@@ -57,15 +57,16 @@ def _worker(rank: int, world_size: int, port: int, configs: list[Config], log: s
             if rank == 0:
                 _append(log, {"index": config.index, "started": True})
             start = time.perf_counter()
-            divergence, worst = compare(config, rank)
+            divergence, worst, growths = compare(config, rank)
             found = [None] * world_size
             mine = (
                 None if divergence is None else (divergence.step, divergence.what, divergence.gap)
             )
-            dist.all_gather_object(found, (mine, worst))
+            dist.all_gather_object(found, (mine, worst, growths))
             if rank == 0:
+                grown = sum(g for _, _, g in found)
                 first = min(
-                    (d for d, _ in found if d is not None),
+                    (d for d, _, _ in found if d is not None),
                     key=lambda d: d[0] if d[0] >= 0 else 1 << 30,
                     default=None,
                 )
@@ -74,14 +75,13 @@ def _worker(rank: int, world_size: int, port: int, configs: list[Config], log: s
                     {
                         "index": config.index,
                         "divergence": first,
-                        "worst": max(w for _, w in found),
+                        "worst": max(w for _, w, _ in found),
+                        "growths": grown,
                         "seconds": time.perf_counter() - start,
                     },
                 )
-                print(
-                    _line(config, first, max(w for _, w in found), time.perf_counter() - start),
-                    flush=True,
-                )
+                seconds = time.perf_counter() - start
+                print(_line(config, first, max(w for _, w, _ in found), grown, seconds), flush=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -92,7 +92,7 @@ def _append(log: str, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _line(config: Config, divergence, worst: float, seconds: float) -> str:  # noqa: ANN001
+def _line(config: Config, divergence, worst: float, growths: int, seconds: float) -> str:  # noqa: ANN001
     if divergence is None:
         verdict = "bitwise equal" if worst == 0 else f"within {config.tolerance:g} ({worst:.2g})"
     else:
@@ -100,7 +100,8 @@ def _line(config: Config, divergence, worst: float, seconds: float) -> str:  # n
         where = "the end" if step < 0 else f"step {step}"
         first, _, rest = what.partition(" (")
         verdict = f"DIFFERENT at {where}: {first} by {gap:.3g}" + (f" ({rest}" if rest else "")
-    return f"[{config.index:>4}] {verdict:<28} {seconds:5.1f} s  {config.describe()}"
+    grew = f"  (caches grew {growths}x)" if growths else ""
+    return f"[{config.index:>4}] {verdict:<28} {seconds:5.1f} s  {config.describe()}{grew}"
 
 
 def _run_group(world_size: int, configs: list[Config]) -> dict[int, dict]:
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             f"EXACTNESS_SEED={args.seed} EXACTNESS_ONLY={i}"
             f"{' EXACTNESS_HOT_ROWS=1' if args.hot_rows else ''} make exactness)"
         )
+    grew = [i for i in indices if results[i].get("growths")]
+    print(f"caches grew in {len(grew)} of {len(indices)} configurations")
     print(f"took {time.perf_counter() - start:.0f} s")
     print(f"exactness: {len(indices) - len(bad)} of {len(indices)} configurations agree")
     return 1 if bad else 0

@@ -1,4 +1,10 @@
-"""``LookaheadEmbeddingBagCollection``: an ``EmbeddingBagCollection`` whose rows are cached."""
+"""``LookaheadEmbeddingBagCollection``: an ``EmbeddingBagCollection`` whose rows are cached.
+
+Its cache settings (see the class's arguments): ``cache_load_factor`` or
+``cache_rows`` (the slots a table starts with), ``min_cache_rows`` (a floor)
+and ``max_cache_rows`` (a cap). A cache whose window needs more slots grows,
+up to the cap; only a window over the cap refuses a batch.
+"""
 
 from __future__ import annotations
 
