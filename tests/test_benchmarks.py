@@ -1,15 +1,23 @@
-"""The benchmark scripts run end to end (at toy sizes) and write what they promise."""
+"""The benchmark scripts run end to end (at toy sizes), and the figures they report agree
+with what they ran: counts with the batches (regenerated here), ratios and medians with
+the figures they are made of, printed rows with the JSON. No timing is asserted."""
 
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.models import needs_store_buffers
+from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.metrics import EMBEDDING_KINDS
+from torchrec_lookahead.oracle.misses import lru_misses, oracle_misses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +28,20 @@ def benchmark(name: str, out: Path, *flags: str) -> str:
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+def widest_window(stream: list[np.ndarray], d: int) -> int:
+    """Most distinct ids in d + 1 consecutive steps: the smallest cache the benchmarks use."""
+    return max(
+        len(np.unique(np.concatenate(stream[max(0, s - d) : s + 1]))) for s in range(len(stream))
+    )
+
+
+def distinct_per_step(data: SyntheticCriteo, batch_size: int, steps: int) -> int:
+    """Distinct ids per table and step, summed: what the cache counts as unique ids."""
+    return sum(
+        len(np.unique(ids)) for s in range(steps) for ids in data.batch(s, batch_size).values
+    )
 
 
 def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
@@ -48,16 +70,55 @@ def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
     )
     assert "MIN" in out and "Planning speed" in out
     report = json.loads((tmp_path / "report.json").read_text())
-    assert (tmp_path / "misses.png").stat().st_size > 0
-    results = report["misses"]["results"]
+    misses = report["misses"]
+    data = SyntheticCriteo(scale=0.002, zipf_exponent=1.1, seed=0)
+    streams = data.table_streams(256, 20)
+    assert misses["ids"] == 256 * 20 * 26 == sum(len(b) for s in streams for b in s)
+    assert misses["rows"] == sum(data.num_embeddings)
+    distinct = sum(len(np.unique(b)) for s in streams for b in s)
+    assert misses["distinct_ids_per_step_total"] == distinct
+    assert misses["compulsory_misses"] == sum(len(np.unique(np.concatenate(s))) for s in streams)
+
+    def capacities(fraction: float) -> list[int]:
+        return [
+            min(n, max(math.ceil(fraction * n), widest_window(s, 1)))
+            for s, n in zip(streams, data.num_embeddings)
+        ]
+
+    results = misses["results"]
     assert {r["policy"] for r in results} == {"LRU", "LFU", "oracle L=2", "MIN"}
+    for r in results + misses["variants"] + misses["pooled"]:
+        assert r["cache_rows"] == sum(capacities(r["cache_fraction"]))
+        assert r["miss_rate"] == pytest.approx(r["misses"] / distinct)
     for fraction in (0.01, 0.1):
+        caps = capacities(fraction)
         by_policy = {r["policy"]: r["misses"] for r in results if r["cache_fraction"] == fraction}
-        assert by_policy["MIN"] <= min(by_policy.values())
-        assert by_policy["MIN"] >= report["misses"]["compulsory_misses"]
-    assert report["throughput"][0]["ids_per_s"] > 0
-    checked = report["misses"]["device_check"]  # the device oracle misses as the numba one
-    assert checked and all(r["equal_every_step"] for r in checked)
+        lru = sum(
+            int(lru_misses(s, c, n).sum()) for s, c, n in zip(streams, caps, data.num_embeddings)
+        )
+        assert by_policy["LRU"] == lru
+        oracle = sum(
+            int(oracle_misses(s, c, 2, 1, n).sum())
+            for s, c, n in zip(streams, caps, data.num_embeddings)
+        )
+        assert by_policy["oracle L=2"] == oracle
+        assert misses["compulsory_misses"] <= by_policy["MIN"] <= min(by_policy.values())
+    (checked,) = misses["device_check"]  # at 1%: the device oracle misses as the numba one
+    assert checked["equal_every_step"] and checked["lookahead"] == 2
+    oracle_at_1 = next(
+        r["misses"] for r in results if r["policy"] == "oracle L=2" and r["cache_fraction"] == 0.01
+    )
+    assert checked["numba_misses"] == checked["device_misses"] == oracle_at_1
+    ids = 4096 * 4
+    for t in report["throughput"]:
+        assert t["ratio_to_unique"] == pytest.approx(t["oracle_s"] / t["unique_s"])
+        assert t["ids_per_s"] == pytest.approx(ids / t["oracle_s"])
+        assert t["speedup_vs_bagpipe"] == pytest.approx(t["ids_per_s"] / (16384 * 26 / 0.075))
+        row = (
+            f"{t['partitions']:>2} {t['lookahead']:>4} {t['oracle_s']:>9.3f} {t['unique_s']:>9.3f}"
+        )
+        assert row in out
+    assert (tmp_path / "misses.png").stat().st_size > 0
 
 
 def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -> None:
@@ -80,9 +141,28 @@ def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -
     assert "all resident" in out and "same final weights: True" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["same_weights"] is True
-    assert report["lookahead"]["step_ms"] > 0 and report["baseline"]["step_ms"] > 0
-    assert 0 < report["lookahead"]["hit_rate"] < 1
+    check_step_time(report, out, SyntheticCriteo(scale=0.001, zipf_exponent=1.1, seed=0))
     assert (tmp_path / "step_time.png").stat().st_size > 0
+
+
+def check_step_time(report: dict, out: str, data: SyntheticCriteo) -> None:
+    """A step-time report of 12 steps of 64 (2 warm-up, one repeat) against its batches."""
+    look = report["lookahead"]
+    assert report["measured_steps"] == 12 - 2 and report["rows"] == sum(data.num_embeddings)
+    assert report["ratio"] == pytest.approx(look["step_ms"] / report["baseline"]["step_ms"])
+    assert report["ratios"] == [report["ratio"]]
+    parts = [
+        v
+        for k, v in look.items()
+        if k.endswith("_ms") and k not in ("step_ms", "other_ms") and "background" not in k
+    ]
+    assert {"stage_ms", "wait_ms", "compute_ms"} <= set(look)
+    assert look["other_ms"] == pytest.approx(look["step_ms"] - sum(parts))  # the parts add up
+    # Every distinct id of a table's step is a hit or a fetched row.
+    fetched = look["rows_fetched_per_step"] * 12
+    assert fetched == pytest.approx(round(fetched))
+    assert look["hit_rate"] == pytest.approx(1 - fetched / distinct_per_step(data, 64, 12))
+    assert f"ratio {report['ratio']:.2f}x" in out and f"hit rate {look['hit_rate']:.3f}" in out
 
 
 def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Path) -> None:
@@ -107,7 +187,9 @@ def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Pa
     assert "plain TorchRec" in out and "same final weights: True" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["same_weights"] is True and len(report["ranks"]) == 1
-    assert report["lookahead"]["background_input_dist_ms"] > 0
+    assert report["cache_rows"] == report["ranks"][0]["cache_rows"]
+    check_step_time(report, out, SyntheticCriteo(scale=0.001, zipf_exponent=1.1, seed=0))
+    assert report["lookahead"]["background_input_dist_ms"] > 0  # the stage distributed input
 
 
 def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> None:
@@ -126,14 +208,25 @@ def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> 
         "4",
     )
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["statistics_s"] > 0 and len(report["accuracy"]) == 3 and "predicted" in out
-    assert all(0 <= a["predicted"] <= 1 and 0 <= a["measured"] <= 1 for a in report["accuracy"])
+    rows = SyntheticCriteo(scale=0.001).num_embeddings
+    full = SyntheticCriteo(scale=0.001, seed=2).table_streams(256, 20)
+    assert report["rows"] == sum(rows) and "predicted" in out
+    assert [a["load_factor"] for a in report["accuracy"]] == [0.01, 0.05, 0.2]
+    for a in report["accuracy"]:  # measured: the oracle's misses over the second half
+        misses = distinct = 0
+        for stream, n in zip(full, rows):
+            capacity = min(n, max(math.ceil(a["load_factor"] * n), widest_window(stream, 1)))
+            misses += int(oracle_misses(stream, capacity, 4, 1, n)[10:].sum())
+            distinct += sum(len(np.unique(b)) for b in stream[10:])
+        assert a["measured"] == pytest.approx(misses / distinct)
+        assert 0 <= a["predicted"] <= 1
+        assert f"{a['load_factor']:>7.0%} {a['predicted']:>10.3f} {a['measured']:>9.3f}" in out
 
 
 @needs_store_buffers
 def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None:
-    store = tmp_path / "store"
-    store.mkdir()
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
     out = benchmark(
         "disk_store",
         tmp_path,
@@ -156,17 +249,39 @@ def test_disk_store_report_compares_stores_and_cleans_up(tmp_path: Path) -> None
         "--checkpoint-steps",
         "2",
         "--store-dir",
-        str(store),
+        str(store_dir),
     )
     assert "disk, no read-ahead" in out and "larger than RAM" in out and "DCP checkpoints" in out
     report = json.loads((tmp_path / "report.json").read_text())
-    assert len(report["fits"]) == 6 and all(r["step_ms"] > 0 for r in report["fits"])
-    assert report["huge"]["rows"] > 0 and 0 < report["huge"]["hit_rate"] < 1
-    assert report["huge"]["private_mb"] > 0
+    stores = ("memory", "disk", "disk, no read-ahead")
+    fits = report["fits"]
+    assert sorted((r["store"], r["lookahead"]) for r in fits) == sorted(
+        (name, lookahead) for name in stores for lookahead in (16, 64)
+    )
+    for lookahead in (16, 64):
+        runs = {r["store"]: r for r in fits if r["lookahead"] == lookahead}
+        # The same batches, cache and plans, whichever store holds the rows.
+        assert len({r["hit_rate"] for r in runs.values()}) == 1
+        for name, r in runs.items():  # the printed row: its step time, its ratio to memory
+            ratio = r["step_ms"] / runs["memory"]["step_ms"]
+            assert f"{lookahead:>4}{name:>22}{r['step_ms']:>10.1f}{ratio:>10.3f}" in out
+    row_bytes = 4 * (64 + 1)  # dim 64 and the row-wise Adagrad state
+
+    def rows_of(gigabytes: float) -> int:
+        scale = gigabytes * 1e9 / row_bytes / sum(SyntheticCriteo().num_embeddings)
+        return sum(SyntheticCriteo(scale=scale, seed=1).num_embeddings)
+
+    huge = report["huge"]
+    assert huge["rows"] == rows_of(0.02)
+    assert huge["store_gb"] == pytest.approx(huge["rows"] * row_bytes / 1e9)
+    for key in ("samples_per_s", "hit_rate", "step_ms", "first_step_ms", "private_mb"):
+        assert f"{key:>28}  {huge[key]:,.3f}" in out
     saved = {r["planner"]: r for r in report["checkpoint"]}
     assert set(saved) == {"streamed", "default"}
-    assert all(r["checkpoint_gb"] >= r["store_gb"] and r["load_s"] > 0 for r in saved.values())
-    assert not any(store.iterdir()), "the store files must be removed"
+    for r in saved.values():
+        assert r["store_gb"] == pytest.approx(rows_of(0.02) * row_bytes / 1e9)
+        assert r["checkpoint_gb"] >= r["store_gb"]  # the rows and their optimizer state
+    assert not any(store_dir.iterdir()), "the store files must be removed"
 
 
 def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -> None:
@@ -191,13 +306,22 @@ def test_dedup_report_compares_plain_and_deduplicated_sessions(tmp_path: Path) -
     assert "Deduplicated batches" in out
     report = json.loads((tmp_path / "report.json").read_text())
     (eight,) = report["results"]  # one size: the script does the same for each
-    assert eight["ids_per_step_dedup"] < 0.6 * eight["ids_per_step_plain"]
-    assert eight["plain_samples_per_s"] > 0 and eight["dedup_samples_per_s"] > 0
+    plain, dedup = eight["plain_samples_per_s"], eight["dedup_samples_per_s"]
+    assert plain == pytest.approx(statistics.median(eight["plain_all"]))
+    assert dedup == pytest.approx(statistics.median(eight["dedup_all"]))
+    assert eight["speedup"] == pytest.approx(dedup / plain)
+    assert eight["plain_step_ms"] == pytest.approx(1000 * 128 / plain)  # one rank of 128
     # The ceiling: a plain step over the dense part alone, which dedup cannot shrink.
-    assert eight["dense_floor_ms"] > 0
-    assert eight["speedup_bound"] == pytest.approx(eight["plain_step_ms"] / eight["dense_floor_ms"])
+    floor, step = eight["dense_floor_ms"], eight["plain_step_ms"]
+    assert eight["speedup_bound"] == pytest.approx(step / floor)
+    kept = 1 - 13 / 26 * (1 - 1 / 8)  # sessions of 8 share 13 of 26 features' bags
+    assert eight["speedup_bound_by_bags"] == pytest.approx(step / (floor + (step - floor) * kept))
+    # One id per feature and sample: 26 ids a sample, 8 bytes each and a bag of 16 floats.
+    assert eight["ids_per_step_plain"] == 128 * 26
+    assert eight["sparse_mb_per_step_plain"] == pytest.approx(128 * 26 * (16 + 4 * 16) / 2**20)
+    assert eight["ids_per_step_dedup"] < 0.6 * eight["ids_per_step_plain"]
     assert "dense floor" in out and "one gather" in out
-    assert eight["expand_ms"]["fbgemm"] > 0 and eight["expand_ms"]["gather"] > 0
+    assert set(eight["expand_ms"]) == {"fbgemm", "gather"}
     assert (tmp_path / "dedup.png").stat().st_size > 0
 
 
@@ -220,8 +344,10 @@ def test_batch_check_report_times_both_checks(tmp_path: Path) -> None:
     assert {(r["check"], r["batch_size"]) for r in results} == {
         (c, b) for c in ("structure", "ids") for b in (64, 128)
     }
-    assert all(len(r["ms_runs"]) == 2 and r["ms"] > 0 for r in results)
-    assert {r["ids"] for r in results if r["batch_size"] == 64} == {64 * 26}
+    for r in results:
+        assert len(r["ms_runs"]) == 2 and r["ms"] == pytest.approx(statistics.median(r["ms_runs"]))
+        assert r["ids"] == r["batch_size"] * 26  # one id per feature and sample
+        assert f"{r['check']:>10}{r['batch_size']:>8}{r['ids']:>9}{r['ms']:>22.3f}" in out
 
 
 def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) -> None:
@@ -256,11 +382,24 @@ def test_data_report_measures_both_sizes_and_removes_the_data(tmp_path: Path) ->
     report = json.loads((tmp_path / "report.json").read_text())
     results = {(r["data"], r["num_workers"]): r for r in report["results"]}
     assert set(results) == {("small", 1), ("large", 1)}
-    assert all(r["samples_per_s"] > 0 and r["rank_private_mb"][0] > 100 for r in results.values())
-    assert all(r["data_wait_ms"] >= 0 for r in results.values())
-    assert results["large", 1]["samples"] > results["small", 1]["samples"]
-    memory = report["goals"]["private_memory_large_over_small"]
-    assert set(memory) == {"ws1_workers1"}
+    sample_bytes = 13 * 4 + 26 * 8 + 4  # dense float32, sparse int64, label int32
+    for (name, _), r in results.items():
+        gigabytes = {"small": 0.01, "large": 0.02}[name]
+        assert r["gigabytes"] == gigabytes and r["runs"] == 1
+        assert r["samples"] == int(gigabytes * 2**30 / sample_bytes / 3) * 3  # whole days
+        assert r["data_wait_share"] == pytest.approx(r["data_wait_ms"] / r["step_ms"])
+        assert r["rank_private_mb"][0] > 100  # the sampler found the rank's process
+        row = f"{gigabytes:>11g} GB {1:>3} {1:>7} {r['samples_per_s']:>10,.0f} {r['step_ms']:>8.2f}"
+        assert row in out
+    large, small = results["large", 1], results["small", 1]
+    goals = report["goals"]
+    assert goals["private_memory_large_over_small"] == {
+        "ws1_workers1": pytest.approx(max(large["rank_private_mb"]) / max(small["rank_private_mb"]))
+    }
+    assert goals["data_wait_share_with_workers"] == {
+        f"{name}_ws1_workers1": pytest.approx(results[name, 1]["data_wait_share"])
+        for name in ("small", "large")
+    }
     assert not any(data.iterdir()), "the data sets must be removed"
 
 
@@ -289,7 +428,11 @@ def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> Non
     (result,) = json.loads((tmp_path / "report.json").read_text())["results"]
     settings = result["settings"]
     assert set(settings) == {"torchrec_plan", "torchrec_table_wise", "lookahead", "lookahead_hot"}
-    assert all(s["step_ms"] > 0 and len(s["step_ms_runs"]) == 1 for s in settings.values())
+    for s in settings.values():
+        assert len(s["step_ms_runs"]) == 1
+        assert s["step_ms"] == pytest.approx(statistics.median(s["step_ms_runs"]))
+        kinds = s["bytes_per_step"]
+        assert s["embedding_bytes_per_step"] == sum(kinds[k] for k in EMBEDDING_KINDS)
     plain, hot = settings["torchrec_table_wise"], settings["lookahead_hot"]
     for kind in ("ids", "pooled", "gradients"):  # the same plan: the same all-to-alls
         assert settings["lookahead"]["bytes_per_step"][kind] == plain["bytes_per_step"][kind]
@@ -301,6 +444,10 @@ def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> Non
     assert result["bytes_ratio"] == pytest.approx(
         hot["embedding_bytes_per_step"] / settings["torchrec_plan"]["embedding_bytes_per_step"]
     )
+    assert result["time_ratio"] == pytest.approx(
+        hot["step_ms"] / settings["torchrec_plan"]["step_ms"]
+    )
+    assert f"bytes_ratio {result['bytes_ratio']:.3f}, time_ratio {result['time_ratio']:.3f}" in out
     assert 0.5 < result["hot_share"] < 1
     assert (tmp_path / "comm.png").stat().st_size > 0
 
@@ -332,9 +479,12 @@ def test_preprocess_report_measures_memory_and_speed_and_removes_the_data(
     results = {r["threshold"]: r for r in report["results"]}
     assert set(results) == {0, 2}
     for r in results.values():
-        assert r["lines_per_day"] == 3000 and r["lines_per_s"] > 0 and r["bytes"] > 0
+        assert r["lines_per_day"] == 3000 and r["days"] == 2 and r["bytes"] > 0
+        assert r["lines_per_s"] == pytest.approx(3000 * 2 / r["seconds"])
         assert r["peak_rss_mb"] > 10 and r["peak_private_mb"] > 10
-        assert set(r["pass_seconds"]) == {"convert_and_count", "merge_columns", "map_ids"}
+        passes = r["pass_seconds"]
+        assert set(passes) == {"convert_and_count", "merge_columns", "map_ids"}
+        assert sum(passes.values()) <= r["seconds"]  # the passes happen within the run
         assert r["distinct_ids"] == sum(s - 2 for s in results[0]["table_sizes"])
     # The threshold maps rare ids to one row: no column grows.
     assert all(a <= b for a, b in zip(results[2]["table_sizes"], results[0]["table_sizes"]))
