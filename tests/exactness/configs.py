@@ -179,11 +179,21 @@ def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
         events=tuple(dict(events).items()),  # one event per step at most
         stage_thread=bool(rng.random() < 0.7),
     )
-    # Growth last too, from a generator of its own, for the same reason.
-    config = replace(config, grow=bool(np.random.default_rng([seed, index, 44]).random() < 0.4))
+    # Growth last too, from a generator of its own, for the same reason: bags of several
+    # ids, a first table of hundreds of rows or more and a tenth the load factor, so that
+    # windows outgrow what the (smaller) first batches sized.
+    growth = np.random.default_rng([seed, index, 44])
+    if growth.random() < 0.4:
+        first = replace(tables[0], rows=int(growth.choice([300, 2_000, 20_000])))
+        config = replace(
+            config,
+            grow=True,
+            tables=tuple(replace(t, multi_hot=True) for t in [first, *tables[1:]]),
+            cache_load_factor=max(0.001, config.cache_load_factor / 10),
+        )
     if replicable or config.disk_store:  # the replicas and the disk store hold FP32 rows
         return config
     # Data types last, from a generator of their own: a seed's other draws stay as they were.
     types = np.random.default_rng([seed, index, 43])
-    fp16 = [replace(t, data_type="FP16") if types.random() < 0.4 else t for t in tables]
+    fp16 = [replace(t, data_type="FP16") if types.random() < 0.4 else t for t in config.tables]
     return replace(config, tables=tuple(fp16))
