@@ -22,7 +22,9 @@ while their internals change:
 * ``device_ops``: operators on CUDA tensors the trainer thread issued (views included);
   ``stream_ops``: event records, stream waits, ``record_stream``;
 * ``other_threads_cpu_ms``: every other thread of the process (stage, executor, torch's
-  and numba's pools), from ``/proc/self/task/*/schedstat``.
+  and numba's pools), from ``/proc/self/task/*/schedstat``; threads alive before the
+  row's pipeline was built are another's (in a test process, earlier tests' pipelines)
+  and are not counted.
 
 Figures are medians over the measured steps. Stood in for (a CPU build of torch has no
 CUDA runtime; see ``STOOD_IN``, also written to the JSON): the backward (autograd cannot
@@ -202,6 +204,7 @@ def measure(
     per-step medians over the last ``steps`` (see the module)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    earlier = _tids()  # threads of something else (in a test process: other pipelines)
     dist.init_process_group("cuda:fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         with (
@@ -213,7 +216,7 @@ def measure(
             pipeline, data = build(kind, world_size, batch_size, settings)
             total = warmup + steps + settings.lookahead + 2  # the window stays full
             batches = [criteo_batch(data, s, batch_size).pin_memory() for s in range(total)]
-            rows = _run(pipeline, iter(batches), counter, warmup + steps, progress)
+            rows = _run(pipeline, iter(batches), counter, warmup + steps, progress, earlier)
             if kind == "lookahead":
                 pipeline.close()
             del pipeline, batches
@@ -272,16 +275,22 @@ def summary(kind: str, world_size: int, batch_size: int, steps: list[Step]) -> d
 
 
 def _run(
-    pipeline: Any, batches: Iterator[Batch], counter: HostCounter, steps: int, progress: bool
+    pipeline: Any,
+    batches: Iterator[Batch],
+    counter: HostCounter,
+    steps: int,
+    progress: bool,
+    earlier: set[int],
 ) -> list[Step]:
+    """Run ``steps`` steps, each one's figures; threads in ``earlier`` are not counted."""
     trainer = threading.get_ident()
     rows = []
     for _ in tqdm(range(steps), desc="steps", leave=False, disable=not progress):
-        cpu_before, tallies_before = _threads_cpu_s(), counter.by_thread()
+        cpu_before, tallies_before = _threads_cpu_s(earlier), counter.by_thread()
         start = time.thread_time()
         pipeline.progress(batches)
         cpu = time.thread_time() - start
-        cpu_after, tallies_after = _threads_cpu_s(), counter.by_thread()
+        cpu_after, tallies_after = _threads_cpu_s(earlier), counter.by_thread()
         others = {
             name: cpu_after[name] - cpu_before.get(name, 0.0)
             for name in cpu_after
@@ -296,12 +305,20 @@ def _run(
     return rows
 
 
-def _threads_cpu_s() -> dict[str, float]:
-    """CPU seconds so far of every thread of this process, by name (Python's thread names;
-    ``tid <id>`` for threads Python did not start: torch's and numba's pools)."""
+def _tids() -> set[int]:
+    """The native ids of this process's threads now."""
+    return {int(task) for task in os.listdir("/proc/self/task")}
+
+
+def _threads_cpu_s(skip: set[int]) -> dict[str, float]:
+    """CPU seconds so far of every thread of this process but those in ``skip``, by name
+    (Python's thread names; ``tid <id>`` for threads Python did not start: torch's and
+    numba's pools)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     found: dict[str, float] = {}
     for task in os.listdir("/proc/self/task"):
+        if int(task) in skip and int(task) != threading.get_native_id():
+            continue
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             with open(f"/proc/self/task/{task}/schedstat") as f:
                 name = names.get(int(task), f"tid {task}")
