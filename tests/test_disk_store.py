@@ -17,7 +17,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-import torchrec_lookahead.embedding.collection as modules
+import torchrec_lookahead.embedding.cached as modules
 from tests.models import (
     assert_same_training_state,
     batches,

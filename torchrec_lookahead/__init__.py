@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
         HotRowsEmbeddingBagCollectionSharder,
         LookaheadEmbeddingBagCollection,
         LookaheadEmbeddingBagCollectionSharder,
+        LookaheadEmbeddingCollection,
         lookahead_sharders,
     )
     from torchrec_lookahead.oracle.device import DeviceOracleCacher
@@ -32,6 +33,7 @@ __all__ = [
     "HotRowsEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingBagCollection",
     "LookaheadEmbeddingBagCollectionSharder",
+    "LookaheadEmbeddingCollection",
     "LookaheadTrainPipeline",
     "OracleCacher",
     "PartitionedOracle",
@@ -45,6 +47,7 @@ _LAZY = {
     "HotRowsEmbeddingBagCollectionSharder": "torchrec_lookahead.embedding",
     "LookaheadEmbeddingBagCollection": "torchrec_lookahead.embedding",
     "LookaheadEmbeddingBagCollectionSharder": "torchrec_lookahead.embedding",
+    "LookaheadEmbeddingCollection": "torchrec_lookahead.embedding",
     "LookaheadTrainPipeline": "torchrec_lookahead.pipeline",
     "lookahead_sharders": "torchrec_lookahead.embedding",
 }

@@ -1,8 +1,9 @@
-"""The TorchRec integration: the cached embedding-bag collections and their sharders (DMP)."""
+"""The TorchRec integration: the cached embedding(-bag) collections and their sharders (DMP)."""
 
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.embedding.hot.collection import HotRowsEmbeddingBagCollection
 from torchrec_lookahead.embedding.hot.sharded import ShardedHotRowsEmbeddingBagCollection
+from torchrec_lookahead.embedding.sequence import LookaheadEmbeddingCollection
 from torchrec_lookahead.embedding.sharder import (
     HotRowsEmbeddingBagCollectionSharder,
     LookaheadEmbeddingBagCollectionSharder,
@@ -15,6 +16,7 @@ __all__ = [
     "HotRowsEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingBagCollection",
     "LookaheadEmbeddingBagCollectionSharder",
+    "LookaheadEmbeddingCollection",
     "ShardedHotRowsEmbeddingBagCollection",
     "ShardedLookaheadEmbeddingBagCollection",
     "lookahead_sharders",

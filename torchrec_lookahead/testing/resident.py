@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
+from torchrec_lookahead.embedding.sequence import jagged_output, output_places
 from torchrec_lookahead.tbe import training_tbe
 from torchrec_lookahead.variable_batch import expand_pooled, keep_inverse_indices, tbe_batch_sizes
 
-__all__ = ["FullyResidentEmbeddingBagCollection"]
+__all__ = ["FullyResidentEmbeddingBagCollection", "FullyResidentEmbeddingCollection"]
 
 
 class FullyResidentEmbeddingBagCollection(nn.Module):
@@ -43,29 +52,19 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        device = device or torch.device("cpu")
         self._configs: list[EmbeddingBagConfig] = like.embedding_bag_configs()
         self._is_weighted = like.is_weighted()
         self._features = [f for t in self._configs for f in t.feature_names]
         self._dims = [t.embedding_dim for t in self._configs for _ in t.feature_names]
-        params = dict(fused_params)
         pooling = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
-        data_types = {t.data_type for t in self._configs}
-        if len(data_types) > 1:  # TorchRec would give each type a TBE of its own
-            raise ValueError(f"one TBE holds tables of one data type, not {data_types}")
-        self.tbe = training_tbe(
-            [t.num_embeddings for t in self._configs],
-            [t.embedding_dim for t in self._configs],
-            params.pop("optimizer"),
-            params,
+        state = like.state_dict()
+        self.tbe = resident_tbe(
+            self._configs,
+            [state[f"embedding_bags.{t.name}.weight"] for t in self._configs],
+            fused_params,
             device,
             pooling[self._configs[0].pooling],
-            feature_table_map=[i for i, t in enumerate(self._configs) for _ in t.feature_names],
-            data_type=data_types.pop(),
         )
-        source = like.state_dict()
-        for config, weight in zip(self._configs, self.tbe.split_embedding_weights()):
-            weight.copy_(source[f"embedding_bags.{config.name}.weight"])
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return self._configs
@@ -87,3 +86,71 @@ class FullyResidentEmbeddingBagCollection(nn.Module):
         )
         pooled = expand_pooled(pooled, features, self._dims)
         return KeyedTensor(keys=self._features, length_per_key=self._dims, values=pooled)
+
+
+class FullyResidentEmbeddingCollection(nn.Module):
+    """An embedding collection (sequence features) with every row resident in one fused
+    FBGEMM TBE of pooling ``NONE``, as TorchRec's fused kernel for ``EmbeddingCollection``.
+
+    The sequence counterpart of :class:`FullyResidentEmbeddingBagCollection`: it starts
+    from the weights of ``like`` (an ``EmbeddingCollection``, lookahead or not) and gives
+    ``EmbeddingCollection``'s output (a ``JaggedTensor`` per embedding name).
+    """
+
+    def __init__(
+        self,
+        like: EmbeddingCollection,
+        fused_params: Mapping[str, Any],
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self._configs: list[EmbeddingConfig] = like.embedding_configs()
+        self._need_indices = like.need_indices()
+        self._features = [f for t in self._configs for f in t.feature_names]
+        self._places = output_places(self._configs, list(range(len(self._configs))))
+        state = like.state_dict()
+        self.tbe = resident_tbe(
+            self._configs,
+            [state[f"embeddings.{t.name}.weight"] for t in self._configs],
+            fused_params,
+            device,
+            PoolingMode.NONE,
+        )
+
+    def embedding_configs(self) -> list[EmbeddingConfig]:
+        return self._configs
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        keys = features.keys()
+        if keys != self._features:
+            features = features.permute([keys.index(f) for f in self._features])
+        rows = self.tbe(features.values(), features.offsets())
+        return jagged_output(rows, features, self._places, self._need_indices)
+
+
+def resident_tbe(
+    configs: Sequence[BaseEmbeddingConfig],
+    weights: Sequence[torch.Tensor],
+    fused_params: Mapping[str, Any],
+    device: torch.device | None,
+    pooling: PoolingMode,
+) -> SplitTableBatchedEmbeddingBagsCodegen:
+    """One training TBE holding ``configs``' tables (of one data type), a feature per
+    table feature, initialised to ``weights``."""
+    params = dict(fused_params)
+    data_types = {t.data_type for t in configs}
+    if len(data_types) > 1:  # TorchRec would give each type a TBE of its own
+        raise ValueError(f"one TBE holds tables of one data type, not {data_types}")
+    tbe = training_tbe(
+        [t.num_embeddings for t in configs],
+        [t.embedding_dim for t in configs],
+        params.pop("optimizer"),
+        params,
+        device or torch.device("cpu"),
+        pooling,
+        feature_table_map=[i for i, t in enumerate(configs) for _ in t.feature_names],
+        data_type=data_types.pop(),
+    )
+    for table, weight in zip(tbe.split_embedding_weights(), weights):
+        table.copy_(weight)
+    return tbe

@@ -14,6 +14,7 @@ from typing import Any
 
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 
+from torchrec_lookahead.embedding.cached import check_table_kind
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.embedding.hot.layout import check_hot_rows
 
@@ -39,6 +40,7 @@ class HotRowsEmbeddingBagCollection(LookaheadEmbeddingBagCollection):
         hot_rows: Mapping[str, Sequence[int]],
         **kwargs: Any,
     ) -> None:
+        check_table_kind(tables, EmbeddingBagConfig, type(self).__name__)
         checked = check_hot_rows(hot_rows, {t.name: t.num_embeddings for t in tables})
         if not checked:
             raise ValueError(
