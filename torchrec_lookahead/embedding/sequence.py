@@ -60,8 +60,9 @@ class LookaheadEmbeddingCollection(CachedCollection, EmbeddingCollection):
         device: where the cache and the lookups live; the full tables are on the
             host (or on ``meta`` when ``device`` is meta).
         need_indices: as for ``EmbeddingCollection``.
-        cache_load_factor, cache_rows, fused_params, min_cache_rows, store_dir,
-            max_cache_rows: as for ``LookaheadEmbeddingBagCollection``.
+        cache_load_factor: as for ``LookaheadEmbeddingBagCollection``, and so are
+            ``cache_rows``, ``fused_params``, ``min_cache_rows``, ``store_dir`` and
+            ``max_cache_rows``.
     """
 
     def __init__(
