@@ -252,8 +252,9 @@ class CachedTables:
         per_sample_weights: torch.Tensor | None,
         **variable_batch: Any,
     ) -> torch.Tensor:
-        """Pooled embeddings of the running step's batch, through the cache
-        (``variable_batch``: FBGEMM's arguments for a deduplicated batch)."""
+        """The running step's embeddings through the cache: pooled per bag, or a row per id
+        under pooling ``NONE`` (``variable_batch``: FBGEMM's arguments for a deduplicated
+        batch)."""
         context, self._context = self._context, None
         slots = None if context is None else self._step_slots(context)
         if slots is None or slots.numel() != num_ids:
