@@ -240,13 +240,18 @@ def test_state_dict_is_embedding_collections_and_a_plain_checkpoint_loads() -> N
         assert torch.equal(got[key].weights(), want[key].weights()), key
 
 
-def test_the_training_output_is_what_embedding_collection_returns() -> None:
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "fp32-and-fp16"])
+def test_the_training_output_is_what_embedding_collection_returns(mixed: bool) -> None:
     """A training step's output: per feature a JaggedTensor with EmbeddingCollection's
-    rows, lengths and (need_indices) ids, for a feature shared by two tables too."""
+    rows, lengths and (need_indices) ids, for a feature shared by two tables too; with
+    an FP16 table among FP32 ones (two cache groups, looked up type by type) in the
+    table order all the same."""
     tables = [
         *SEQUENCE,
         EmbeddingConfig(name="s3", embedding_dim=8, num_embeddings=4000, feature_names=["f0"]),
     ]
+    if mixed:
+        tables[1] = dataclasses.replace(tables[1], data_type=DataType.FP16)
     torch.manual_seed(2)
     plain = EmbeddingCollection(tables, need_indices=True)
     torch.manual_seed(2)
@@ -267,7 +272,7 @@ def test_the_training_output_is_what_embedding_collection_returns() -> None:
             return loss, torch.zeros(1)
 
     train_lookahead(Keep(), DATA[:6], lookahead=2, prefetch_distance=1)
-    assert len(outputs) == 6
+    assert len(outputs) == 6 and len(cached.cached_groups) == (2 if mixed else 1)
     for batch, got in zip(DATA, outputs):
         with torch.no_grad():
             want = plain(batch.sparse_features)
