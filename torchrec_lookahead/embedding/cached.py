@@ -24,7 +24,7 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.distributed.utils import merge_fused_params, optimizer_type_to_emb_opt_type
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead._compat import in_backward_optimizers
@@ -49,7 +49,7 @@ def check_table_kind(
         if not isinstance(table, kind):
             other = (
                 "LookaheadEmbeddingCollection (sequence tables, EmbeddingConfig)"
-                if kind.__name__ == "EmbeddingBagConfig"
+                if kind is EmbeddingBagConfig
                 else "LookaheadEmbeddingBagCollection (pooled tables, EmbeddingBagConfig)"
             )
             raise ValueError(
