@@ -12,12 +12,32 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 __all__ = ["example_flags", "machine", "pinned_rows_needed", "run_example"]
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "dlrm" / "dlrm_main.py")
+
+
+def dlrm_train(collection: Any, dim: int, seed: int, dense_device: Any = None) -> Any:
+    """The benchmarks' DLRM over ``collection``: 13 dense features, a [64, ``dim``] dense
+    arch and a [64, 32, 1] over arch, its dense weights drawn from ``seed``. (TorchRec is
+    imported here, not at the module's top: some orchestrators import this module only.)"""
+    import torch
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+
+    torch.manual_seed(seed)
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=collection,
+            dense_in_features=13,
+            dense_arch_layer_sizes=[64, dim],
+            over_arch_layer_sizes=[64, 32, 1],
+            dense_device=dense_device,
+        )
+    )
 
 
 def machine() -> dict[str, object]:

@@ -32,14 +32,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import machine
+from common import dlrm_train, machine
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.train_pipelines import PrefetchTrainPipelineSparseDist
 from torchrec.distributed.types import CacheAlgorithm, CacheParams
-from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
@@ -80,16 +79,7 @@ def build(kind: str, fraction: float | None, args: argparse.Namespace, device: t
     else:
         ebc = EmbeddingBagCollection(tables, device=meta)
         sharders = [EmbeddingBagCollectionSharder()]
-    torch.manual_seed(args.seed)
-    model = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=13,
-            dense_arch_layer_sizes=[64, args.dim],
-            over_arch_layer_sizes=[64, 32, 1],
-            dense_device=device,
-        )
-    )
+    model = dlrm_train(ebc, args.dim, args.seed, device)
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
     kernel = "fused" if kind == "fused" else "fused_uvm_caching"
     cache = None

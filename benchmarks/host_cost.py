@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import machine
+from common import dlrm_train, machine
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import collective_utils
 from torchrec.distributed.composable.table_batched_embedding_slice import (
@@ -68,7 +68,6 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
-from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
@@ -155,16 +154,7 @@ def build(kind: str, world_size: int, batch_size: int, settings: Settings) -> An
     else:
         ebc = EmbeddingBagCollection(tables, device=meta)
         sharders = [EmbeddingBagCollectionSharder()]
-    torch.manual_seed(settings.seed)
-    model = DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=13,
-            dense_arch_layer_sizes=[64, settings.dim],
-            over_arch_layer_sizes=[64, 32, 1],
-            dense_device=DEVICE,
-        )
-    )
+    model = dlrm_train(ebc, settings.dim, settings.seed, DEVICE)
     with torch.enable_grad():  # it hooks the meta parameters' autograd nodes
         sparse = model.model.sparse_arch.parameters()
         apply_optimizer_in_backward(RowWiseAdagrad, sparse, {"lr": 0.05})

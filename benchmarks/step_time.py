@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import machine
-from torchrec.models.dlrm import DLRM, DLRMTrain
+from common import dlrm_train, machine
+from torchrec.models.dlrm import DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -59,18 +59,6 @@ def table_configs(args: argparse.Namespace, data: SyntheticCriteo) -> list[Embed
 
 def rank_data(args: argparse.Namespace, rank: int) -> SyntheticCriteo:
     return SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed + rank)
-
-
-def dlrm(collection: torch.nn.Module, args: argparse.Namespace) -> DLRMTrain:
-    torch.manual_seed(args.seed)
-    return DLRMTrain(
-        DLRM(
-            embedding_bag_collection=collection,
-            dense_in_features=13,
-            dense_arch_layer_sizes=[64, args.dim],
-            over_arch_layer_sizes=[64, 32, 1],
-        )
-    )
 
 
 def timed_training(pipeline_or_step, batches: list, desc: str, timings=None):
@@ -108,8 +96,10 @@ def run_unsharded(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     ebc = LookaheadEmbeddingBagCollection(tables, cache_load_factor=args.cache_load_factor)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": args.embedding_lr})
-    cached = dlrm(ebc, args)
-    resident = dlrm(FullyResidentEmbeddingBagCollection(ebc, ebc.fused_config()), args)
+    cached = dlrm_train(ebc, args.dim, args.seed)
+    resident = dlrm_train(
+        FullyResidentEmbeddingBagCollection(ebc, ebc.fused_config()), args.dim, args.seed
+    )
     for part in ("dense_arch", "over_arch"):
         state = copy.deepcopy(getattr(cached.model, part).state_dict())
         getattr(resident.model, part).load_state_dict(state)
@@ -188,7 +178,7 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
     tables = table_configs(args, data)
 
     def build(ebc, sharders):
-        model = dlrm(ebc, args)
+        model = dlrm_train(ebc, args.dim, args.seed)
         apply_optimizer_in_backward(
             RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": args.embedding_lr}
         )

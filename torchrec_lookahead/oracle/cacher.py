@@ -66,6 +66,7 @@ __all__ = [
     "as_int64",
     "capacity_error",
     "check_range",
+    "checked_settings",
     "load_kernels",
 ]
 
@@ -100,6 +101,23 @@ class _WindowBatch:
     inverse: np.ndarray
     gaps: list[int]
     slots: np.ndarray | None = None  # slot of each distinct id, once planned
+
+
+def checked_settings(
+    capacity: Any, lookahead: Any, prefetch_distance: Any, num_rows: Any, tie_break: Any
+) -> tuple[int, int, int, int | None]:
+    """An oracle's settings, checked as the pipeline checks its own: a ``ValueError`` for
+    each bad one (nan, inf, 2.0, True, a string, a negative count, an unknown
+    ``tie_break``), naming it, before anything is built."""
+    counts = (
+        check_count("capacity", capacity, 1),
+        check_count("lookahead", lookahead, 0),
+        check_count("prefetch_distance", prefetch_distance, 0),
+        None if num_rows is None else check_count("num_rows", num_rows, 1),
+    )
+    if not isinstance(tie_break, str) or tie_break not in TIE_BREAKS:
+        raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
+    return counts
 
 
 def as_id_array(batch: Any, where: str, num_rows: int | None) -> np.ndarray:
@@ -195,15 +213,9 @@ class OracleCacher(CachePlanner[PreparedBatch]):
         tie_break: str = "frequency",
         row_table: Callable[[int], np.ndarray] | None = None,
     ) -> None:
-        # As the pipeline checks its settings: a ValueError for each bad one (nan, inf,
-        # 2.0, True, a string or a negative count), naming it.
-        capacity = check_count("capacity", capacity, 1)
-        lookahead = check_count("lookahead", lookahead, 0)
-        prefetch_distance = check_count("prefetch_distance", prefetch_distance, 0)
-        if num_rows is not None:
-            num_rows = check_count("num_rows", num_rows, 1)
-        if not isinstance(tie_break, str) or tie_break not in TIE_BREAKS:
-            raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
+        capacity, lookahead, prefetch_distance, num_rows = checked_settings(
+            capacity, lookahead, prefetch_distance, num_rows, tie_break
+        )
         self.capacity = capacity
         self.lookahead = lookahead
         self.prefetch_distance = prefetch_distance

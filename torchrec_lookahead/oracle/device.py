@@ -53,8 +53,12 @@ import numpy as np
 import torch
 from torch.nn.functional import pad
 
-from torchrec_lookahead.oracle.cacher import TIE_BREAKS, as_int64, capacity_error, check_range
-from torchrec_lookahead.settings import check_count
+from torchrec_lookahead.oracle.cacher import (
+    as_int64,
+    capacity_error,
+    check_range,
+    checked_settings,
+)
 from torchrec_lookahead.types import CachePlan, CachePlanner
 
 __all__ = ["DeviceOracleCacher", "DevicePlan", "DevicePreparedBatch"]
@@ -153,13 +157,9 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         *,
         tie_break: str = "frequency",
     ) -> None:
-        capacity = check_count("capacity", capacity, 1)
-        lookahead = check_count("lookahead", lookahead, 0)
-        prefetch_distance = check_count("prefetch_distance", prefetch_distance, 0)
-        if num_rows is not None:
-            num_rows = check_count("num_rows", num_rows, 1)
-        if not isinstance(tie_break, str) or tie_break not in TIE_BREAKS:
-            raise ValueError(f"tie_break must be one of {TIE_BREAKS}, got {tie_break!r}")
+        capacity, lookahead, prefetch_distance, num_rows = checked_settings(
+            capacity, lookahead, prefetch_distance, num_rows, tie_break
+        )
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.capacity = capacity
