@@ -195,5 +195,11 @@ def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
         return config
     # Data types last, from a generator of their own: a seed's other draws stay as they were.
     types = np.random.default_rng([seed, index, 43])
-    fp16 = [replace(t, data_type="FP16") if types.random() < 0.4 else t for t in config.tables]
-    return replace(config, tables=tuple(fp16))
+    fp16 = [types.random() < 0.4 for _ in config.tables]
+    if config.dedup and len(set(fp16)) > 1:
+        # Plain TorchRec cannot take a variable batch into tables of two data types on the
+        # CPU (FBGEMM refuses the output its lookup preallocates for their two TBEs), so
+        # a deduplicated configuration's tables share one type: the first table's draw.
+        fp16 = [fp16[0]] * len(fp16)
+    tables = [replace(t, data_type="FP16") if half else t for t, half in zip(config.tables, fp16)]
+    return replace(config, tables=tuple(tables))
