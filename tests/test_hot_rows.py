@@ -337,7 +337,7 @@ def test_the_replicas_apply_what_fbgemm_applies_to_the_owners_bags(optimizer, fe
 
     from torchrec_lookahead.embedding.hot import HotLayout, RowRange
     from torchrec_lookahead.embedding.hot.replicas import ReplicaTables
-    from torchrec_lookahead.embedding.hot.sync import Union, ordered_sum
+    from torchrec_lookahead.embedding.hot.sync import TouchedReplicas, ordered_sum
     from torchrec_lookahead.tbe import training_tbe
 
     kind = {
@@ -385,7 +385,7 @@ def test_the_replicas_apply_what_fbgemm_applies_to_the_owners_bags(optimizer, fe
         sums, rates = ordered_sum(
             rounds, len(union), dim, np.array([0.1]), None, torch.device("cpu")
         )
-        replicas.apply(Union(union, torch.from_numpy(union), positions), sums, rates)
+        replicas.apply(TouchedReplicas(union, torch.from_numpy(union), positions), sums, rates)
         mine, theirs = replicas.tensors(0), [owner.split_embedding_weights()[0]]
         theirs += list(owner.split_optimizer_states()[0]) if optimizer != "sgd" else []
         for a, b in zip(mine, theirs, strict=True):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from torchrec_lookahead.embedding.hot.layout import HotLayout, ReplicaGroup
 from torchrec_lookahead.embedding.hot.split import HotSplit
-from torchrec_lookahead.embedding.hot.sync import Union
+from torchrec_lookahead.embedding.hot.sync import TouchedReplicas
 from torchrec_lookahead.tbe import set_learning_rate, training_tbe
 
 __all__ = ["ReplicaTables", "ShardReader"]
@@ -69,7 +69,7 @@ class ReplicaTables:
 
     # ---------------------------------------------------------------- update
 
-    def apply(self, union: Union, sums: torch.Tensor, rates: np.ndarray) -> None:
+    def apply(self, union: TouchedReplicas, sums: torch.Tensor, rates: np.ndarray) -> None:
         """Update the union's replica rows with their summed gradients ``sums``, each table
         at its owner's learning rate ``rates[table]``."""
         bounds = [g.start for g in self.layout.groups] + [self.layout.num_rows]

@@ -42,7 +42,7 @@ from numba import njit
 from torchrec_lookahead.embedding.hot.split import HotSplit
 from torchrec_lookahead.traffic import label
 
-__all__ = ["Union", "ordered_sum", "start_union", "union_of"]
+__all__ = ["TouchedReplicas", "ordered_sum", "start_union", "union_of"]
 
 
 def start_union(split: HotSplit, group: dist.ProcessGroup | None) -> Any:
@@ -56,7 +56,7 @@ def start_union(split: HotSplit, group: dist.ProcessGroup | None) -> Any:
 
 
 @dataclass(frozen=True)
-class Union:
+class TouchedReplicas:
     """The replica rows any rank's batch of a step touches (ascending: ``host`` on the
     host, ``rows`` on the device) and the position among them of each of its hot ids."""
 
@@ -65,8 +65,8 @@ class Union:
     positions: torch.Tensor
 
 
-def union_of(split: HotSplit, exchange: Any, num_rows: int) -> Union:
-    """The step's :class:`Union`; waits for ``exchange`` (:func:`start_union`). Made on
+def union_of(split: HotSplit, exchange: Any, num_rows: int) -> TouchedReplicas:
+    """The step's :class:`TouchedReplicas`; waits for ``exchange`` (:func:`start_union`). Made on
     the stage's thread a batch later, so that the step's backward finds it ready."""
     if exchange is not None:
         exchange.wait()
@@ -75,7 +75,7 @@ def union_of(split: HotSplit, exchange: Any, num_rows: int) -> Union:
     rows = np.flatnonzero(touched)
     positions = (np.cumsum(touched) - 1)[split.host_rows]
     device = split.rows.device
-    return Union(rows, _to_device(rows, device), _to_device(positions, device))
+    return TouchedReplicas(rows, _to_device(rows, device), _to_device(positions, device))
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -37,7 +37,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead.embedding.hot.layout import HotLayout
 from torchrec_lookahead.embedding.hot.replicas import ReplicaTables, ShardReader
 from torchrec_lookahead.embedding.hot.split import HotSplit, direct_map, split_batch
-from torchrec_lookahead.embedding.hot.sync import Union, ordered_sum, start_union, union_of
+from torchrec_lookahead.embedding.hot.sync import (
+    TouchedReplicas,
+    ordered_sum,
+    start_union,
+    union_of,
+)
 
 __all__ = ["HotInput", "HotRowTier", "Owners", "ReplicaMetrics"]
 
@@ -62,10 +67,10 @@ class HotInput:
         self.split = split
         self._exchange = exchange
         self._num_rows = num_rows
-        self._union: Union | None = None
+        self._union: TouchedReplicas | None = None
         self._lock = threading.Lock()
 
-    def union(self) -> Union:
+    def union(self) -> TouchedReplicas:
         with self._lock:
             if self._union is None:
                 self._union = union_of(self.split, self._exchange, self._num_rows)
@@ -119,7 +124,7 @@ class HotRowTier:
         self._reducer = ThreadPoolExecutor(
             1, "hot-rows-sum", initializer=torch.set_num_threads, initargs=(1,)
         )
-        self._pending: tuple[Future, Union] | None = None
+        self._pending: tuple[Future, TouchedReplicas] | None = None
         self._exchanging: HotInput | None = None  # the stage's last batch, union unresolved
 
     # ------------------------------------------------------------ lifecycle
@@ -211,7 +216,12 @@ class HotRowTier:
         self._pending = (future, union)
 
     def _reduce(
-        self, split: HotSplit, union: Union, grad: torch.Tensor, world: int, rates: np.ndarray
+        self,
+        split: HotSplit,
+        union: TouchedReplicas,
+        grad: torch.Tensor,
+        world: int,
+        rates: np.ndarray,
     ) -> tuple[torch.Tensor, np.ndarray]:
         """Each hot id's gradient (its bag's, divided by the world size as TorchRec's owners
         divide theirs), summed over the ranks in the owners' order."""
