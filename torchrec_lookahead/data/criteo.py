@@ -28,6 +28,7 @@ Three parts, in data order:
 from __future__ import annotations
 
 import functools
+import gc
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -195,6 +196,22 @@ def _one_buffer(
     return dense_t.view(dense.shape), values, lengths, labels_t
 
 
+class _ForkedLoader(DataLoader):
+    """A ``DataLoader`` that collects the parent's garbage before it forks its workers.
+
+    A forked worker inherits the parent's garbage, and its collector may finalize it
+    there: a process group left in a reference cycle then waits, in its destructor, for
+    threads that exist only in the parent, and the worker hangs (seen: an earlier
+    pipeline's gloo group, in the test process). Collected in the parent first, nothing
+    of the kind is left to inherit.
+    """
+
+    def __iter__(self) -> Any:
+        if self.num_workers > 0:
+            gc.collect()
+        return super().__iter__()
+
+
 def _idle_priority(worker: int) -> None:
     """A loader worker reads ahead of the trainer, as the lookahead stage plans ahead."""
     run_when_idle()
@@ -275,7 +292,7 @@ class CriteoDayReader(Dataset):
         stop = len(self) if stop is None else stop
         if not 0 <= start <= stop <= len(self):
             raise ValueError(f"steps [{start}, {stop}) are outside the pass's {len(self)} steps")
-        return DataLoader(
+        return _ForkedLoader(
             self,
             batch_size=None,
             sampler=range(start, stop),
