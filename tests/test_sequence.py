@@ -467,7 +467,7 @@ def test_trains_bitwise_as_torchrecs_embedding_collection_under_dmp(
 
 
 def _refused_under_dmp(rank: int, port: int, out: str) -> None:
-    """The sequence collection inside DistributedModelParallel (no sharder takes it, so DMP
+    """The sequence collection inside DistributedModelParallel without its sharder (DMP
     keeps it as a dense module): the pipeline's refusal, saved to ``out``."""
     import os
 
@@ -491,12 +491,15 @@ def _refused_under_dmp(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_under_dmp_the_sequence_collection_is_refused_naming_what_to_do(tmp_path: Path) -> None:
-    """It has no sharder yet: the pipeline refuses it when it is built, and says so."""
+def test_under_dmp_without_its_sharder_the_sequence_collection_is_refused(tmp_path: Path) -> None:
+    """DMP given no lookahead sharder leaves it unsharded: the pipeline refuses it when it
+    is built, and names the sharder to pass."""
     from tests.launch import free_port, spawn
 
     out = tmp_path / "said.txt"
     spawn(_refused_under_dmp, (free_port(), str(out)))
     said = out.read_text()
-    assert said.startswith("module 'sequence': LookaheadEmbeddingCollection has no sharder"), said
-    assert "TorchRec's EmbeddingCollection" in said
+    assert said.startswith(
+        "module 'sequence': this LookaheadEmbeddingCollection was not sharded"
+    ), said
+    assert "sharders=[LookaheadEmbeddingCollectionSharder()]" in said

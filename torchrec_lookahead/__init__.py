@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
         LookaheadEmbeddingBagCollection,
         LookaheadEmbeddingBagCollectionSharder,
         LookaheadEmbeddingCollection,
+        LookaheadEmbeddingCollectionSharder,
         lookahead_sharders,
     )
     from torchrec_lookahead.oracle.device import DeviceOracleCacher
@@ -34,6 +35,7 @@ __all__ = [
     "LookaheadEmbeddingBagCollection",
     "LookaheadEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingCollection",
+    "LookaheadEmbeddingCollectionSharder",
     "LookaheadTrainPipeline",
     "OracleCacher",
     "PartitionedOracle",
@@ -48,6 +50,7 @@ _LAZY = {
     "LookaheadEmbeddingBagCollection": "torchrec_lookahead.embedding",
     "LookaheadEmbeddingBagCollectionSharder": "torchrec_lookahead.embedding",
     "LookaheadEmbeddingCollection": "torchrec_lookahead.embedding",
+    "LookaheadEmbeddingCollectionSharder": "torchrec_lookahead.embedding",
     "LookaheadTrainPipeline": "torchrec_lookahead.pipeline",
     "lookahead_sharders": "torchrec_lookahead.embedding",
 }

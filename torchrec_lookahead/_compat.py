@@ -18,10 +18,11 @@ import math
 import threading
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
@@ -36,10 +37,15 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
 from torch.utils._python_dispatch import _pop_mode_temporarily as outside_dispatch_mode
 from torchrec.distributed.batched_embedding_kernel import (
+    BatchedFusedEmbedding,
     BatchedFusedEmbeddingBag,
     EmbeddingFusedOptimizer,
 )
-from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding import ShardedEmbeddingCollection
+from torchrec.distributed.embedding_lookup import (
+    GroupedEmbeddingsLookup,
+    GroupedPooledEmbeddingsLookup,
+)
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
@@ -64,7 +70,10 @@ __all__ = [
     "LookupBase",
     "FusedKernelBase",
     "FusedOptimizerBase",
+    "FusedSequenceKernelBase",
+    "SequenceLookupBase",
     "ShardedCollectionBase",
+    "ShardedSequenceCollectionBase",
     "embedding_features",
     "fake_cuda_tensors",
     "fake_store",
@@ -174,10 +183,18 @@ def split_pooled_tables(
 # ------------------------------------------------------------ TorchRec's sharded collection
 
 
-class FusedKernelBase(BatchedFusedEmbeddingBag):
-    """TorchRec's fused kernel, read through properties: it keeps its TBE and its
-    shard's layout in private attributes only (``_emb_module``, ``_local_rows``,
-    ``_local_cols``, ``_feature_table_map``, ``_pooling``)."""
+if TYPE_CHECKING:
+    # The mixins below read TorchRec's private attributes of the class they are mixed into
+    # (Any to mypy, as TorchRec's classes are here).
+    _TorchRecPart = Any
+else:
+    _TorchRecPart = object
+
+
+class _FusedKernelParts(_TorchRecPart):
+    """TorchRec's fused kernels (pooled and sequence), read through properties: they keep
+    their TBE and their shard's layout in private attributes only (``_emb_module``,
+    ``_local_rows``, ``_local_cols``, ``_feature_table_map``)."""
 
     @property
     def store_tbe(self) -> SplitTableBatchedEmbeddingBagsCodegen:
@@ -195,14 +212,38 @@ class FusedKernelBase(BatchedFusedEmbeddingBag):
     def feature_table_map(self) -> list[int]:
         return list(self._feature_table_map)
 
-    @property
-    def pooling(self) -> Any:
-        return self._pooling
-
     def use_fused_optimizer(self, optimizer: EmbeddingFusedOptimizer) -> None:
         """Make ``optimizer`` this kernel's ``fused_optimizer`` (TorchRec returns its
         private ``_optim`` there and has no setter)."""
         self._optim = optimizer
+
+
+class FusedKernelBase(_FusedKernelParts, BatchedFusedEmbeddingBag):
+    """TorchRec's fused kernel of pooled tables (``EmbeddingBagCollection``'s)."""
+
+    @property
+    def pooling(self) -> Any:
+        return self._pooling
+
+
+class FusedSequenceKernelBase(_FusedKernelParts, BatchedFusedEmbedding):
+    """TorchRec's fused kernel of sequence tables (``EmbeddingCollection``'s: one row per
+    id, FBGEMM's pooling ``NONE``), built with the pooled kernel's arguments (it takes no
+    sharding type or environment)."""
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        sharding_type: ShardingType | None = None,
+        env: ShardingEnv | None = None,
+    ) -> None:
+        super().__init__(config, pg, device)
+
+    @property
+    def pooling(self) -> Any:
+        return PoolingMode.NONE
 
 
 class FusedOptimizerBase(EmbeddingFusedOptimizer):
@@ -223,9 +264,9 @@ class FusedOptimizerBase(EmbeddingFusedOptimizer):
         self._state = value
 
 
-class LookupBase(GroupedPooledEmbeddingsLookup):
-    """TorchRec's pooled lookup whose kernels are made by ``make_kernel``: it has no
-    public hook, only the private ``_create_embedding_kernel`` it calls per group."""
+class _LookupParts(_TorchRecPart):
+    """TorchRec's lookups whose kernels are made by ``make_kernel``: they have no public
+    hook, only the private ``_create_embedding_kernel`` they call per group."""
 
     def make_kernel(
         self,
@@ -234,18 +275,8 @@ class LookupBase(GroupedPooledEmbeddingsLookup):
         pg: dist.ProcessGroup | None,
         sharding_type: ShardingType | None,
         env: ShardingEnv | None,
-    ) -> torch.nn.Module:
+    ) -> Any:
         raise NotImplementedError
-
-    def _create_embedding_kernel(
-        self,
-        config: GroupedEmbeddingConfig,
-        device: torch.device | None,
-        pg: dist.ProcessGroup | None,
-        sharding_type: ShardingType | None,
-        env: ShardingEnv | None,
-    ) -> torch.nn.Module:
-        return self.make_kernel(config, device, pg, sharding_type, env)
 
     @property
     def kernels(self) -> list[Any]:
@@ -258,8 +289,47 @@ class LookupBase(GroupedPooledEmbeddingsLookup):
         return features.split(self._feature_splits)
 
 
-class ShardedCollectionBase(ShardedEmbeddingBagCollection):
-    """TorchRec's sharded collection with three hooks it lacks publicly.
+class LookupBase(_LookupParts, GroupedPooledEmbeddingsLookup):
+    """TorchRec's pooled lookup, its kernels made by ``make_kernel``."""
+
+    def _create_embedding_kernel(
+        self,
+        config: GroupedEmbeddingConfig,
+        device: torch.device | None,
+        pg: dist.ProcessGroup | None,
+        sharding_type: ShardingType | None,
+        env: ShardingEnv | None,
+    ) -> torch.nn.Module:
+        return self.make_kernel(config, device, pg, sharding_type, env)
+
+
+class SequenceLookupBase(_LookupParts, GroupedEmbeddingsLookup):
+    """TorchRec's sequence lookup, its kernels made by ``make_kernel`` (its constructor
+    takes the pooled lookup's arguments; a sequence lookup has no sharding type)."""
+
+    def __init__(
+        self,
+        grouped_configs: list[GroupedEmbeddingConfig],
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        sharding_type: ShardingType | None = None,
+        env: ShardingEnv | None = None,
+    ) -> None:
+        super().__init__(grouped_configs=grouped_configs, pg=pg, device=device, env=env)
+
+    def _create_embedding_kernel(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None,
+        device: torch.device | None,
+        env: ShardingEnv | None = None,
+    ) -> torch.nn.Module:
+        return self.make_kernel(config, device, pg, None, env)
+
+
+class _ShardedParts(_TorchRecPart):
+    """TorchRec's sharded collections (pooled and sequence) with the hooks they lack
+    publicly.
 
     * ``make_lookup(index, configs, pg, device, sharding_type, env)`` builds the
       lookup of each sharding (TorchRec builds them in ``_create_lookups``).
@@ -268,6 +338,7 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
       so a property answers per thread.
     * ``input_dists_on(pg)``: copies of TorchRec's input dists whose
       collectives run on ``pg`` (its modules hold their group as ``_pg``).
+    * ``table_configs()`` and ``sharding_types``: the tables and how they are sharded.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -282,7 +353,17 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
         device: torch.device | None,
         sharding_type: ShardingType | None,
         env: ShardingEnv,
-    ) -> torch.nn.Module:
+    ) -> Any:
+        raise NotImplementedError
+
+    def _shardings(self) -> list[Any]:
+        raise NotImplementedError
+
+    def table_configs(self) -> list[Any]:
+        raise NotImplementedError
+
+    @property
+    def sharding_types(self) -> list[str]:
         raise NotImplementedError
 
     @property
@@ -293,11 +374,8 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
     def lookups(self) -> list[Any]:
         return list(self._lookups)
 
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return list(self._embedding_bag_configs)
-
     def input_dists_on(self, pg: dist.ProcessGroup) -> list[torch.nn.Module]:
-        dists = [sharding.create_input_dist() for sharding in self._embedding_shardings]
+        dists = [sharding.create_input_dist() for sharding in self._shardings()]
         for module in (m for d in dists for m in d.modules()):
             if isinstance(getattr(module, "_pg", None), dist.ProcessGroup):
                 module._pg = pg
@@ -312,6 +390,35 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
     def input_dists_ready(self) -> bool:
         """Whether TorchRec has made its input dists (at the first forward or input_dist)."""
         return bool(self.__dict__.get("_trainer_input_dists"))
+
+    @property
+    def _input_dists(self) -> list[torch.nn.Module]:
+        return self._thread_input_dists.get() or self.__dict__["_trainer_input_dists"]
+
+    @_input_dists.setter
+    def _input_dists(self, value: list[torch.nn.Module]) -> None:
+        self.__dict__["_trainer_input_dists"] = value
+
+    def _create_input_dist(self, *args: Any, **kwargs: Any) -> None:
+        super()._create_input_dist(*args, **kwargs)
+        self.input_dists_created()
+
+    def input_dists_created(self) -> None:
+        """Called once TorchRec has made its input dists."""
+
+
+class ShardedCollectionBase(_ShardedParts, ShardedEmbeddingBagCollection):
+    """TorchRec's sharded ``EmbeddingBagCollection`` with the hooks of :class:`_ShardedParts`."""
+
+    def _shardings(self) -> list[Any]:
+        return list(self._embedding_shardings)
+
+    def table_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self._embedding_bag_configs)
+
+    @property
+    def sharding_types(self) -> list[str]:
+        return list(self.sharding_type_to_sharding_infos)
 
     def _create_lookups(self) -> None:
         for index, sharding in enumerate(self._embedding_shardings):
@@ -328,20 +435,32 @@ class ShardedCollectionBase(ShardedEmbeddingBagCollection):
                 )
             )
 
+
+class ShardedSequenceCollectionBase(_ShardedParts, ShardedEmbeddingCollection):
+    """TorchRec's sharded ``EmbeddingCollection`` with the hooks of :class:`_ShardedParts`."""
+
+    def _shardings(self) -> list[Any]:
+        return list(self._sharding_type_to_sharding.values())
+
+    def table_configs(self) -> list[Any]:
+        return list(self._embedding_configs)
+
     @property
-    def _input_dists(self) -> list[torch.nn.Module]:
-        return self._thread_input_dists.get() or self.__dict__["_trainer_input_dists"]
+    def sharding_types(self) -> list[str]:
+        return list(self._sharding_types)
 
-    @_input_dists.setter
-    def _input_dists(self, value: list[torch.nn.Module]) -> None:
-        self.__dict__["_trainer_input_dists"] = value
-
-    def _create_input_dist(self, input_feature_names: list[str]) -> None:
-        super()._create_input_dist(input_feature_names)
-        self.input_dists_created()
-
-    def input_dists_created(self) -> None:
-        """Called once TorchRec has made its input dists."""
+    def _create_lookups(self) -> None:
+        for index, (sharding_type, sharding) in enumerate(self._sharding_type_to_sharding.items()):
+            self._lookups.append(
+                self.make_lookup(
+                    index,
+                    sharding._grouped_embedding_configs,
+                    sharding._pg,
+                    sharding._device,
+                    ShardingType(sharding_type),
+                    sharding._env,
+                )
+            )
 
 
 _AS_TORCH_CALLS: dict[type, type] = {}

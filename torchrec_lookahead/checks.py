@@ -230,22 +230,10 @@ def no_fused_optimizer(where: str) -> ValueError:
     )
 
 
-# Lookahead collections no sharder takes yet, and what to do under DMP instead.
-NO_SHARDER = {
-    "LookaheadEmbeddingCollection": "shard sequence tables with TorchRec's EmbeddingCollection",
-}
-
-
 def not_sharded(kind: str, where: str) -> ValueError:
     """The error for a lookahead collection (class ``kind``) that reached training without
     its sharder: left unsharded under ``DistributedModelParallel`` it is wrapped as a dense
     module, and every rank would train its own copy of every table."""
-    if kind in NO_SHARDER:
-        return ValueError(
-            f"{where}: {kind} has no sharder yet, so it cannot train under "
-            "DistributedModelParallel (each rank would keep and train its own copy of every "
-            f"table); {NO_SHARDER[kind]} there, or train it unsharded"
-        )
     return ValueError(
         f"{where}: this {kind} was not sharded by a lookahead sharder, so it cannot train "
         f"as TorchRec's sharded tables do (under DistributedModelParallel each rank would keep "

@@ -7,7 +7,9 @@ from torchrec_lookahead.embedding.sequence import LookaheadEmbeddingCollection
 from torchrec_lookahead.embedding.sharder import (
     HotRowsEmbeddingBagCollectionSharder,
     LookaheadEmbeddingBagCollectionSharder,
+    LookaheadEmbeddingCollectionSharder,
     ShardedLookaheadEmbeddingBagCollection,
+    ShardedLookaheadEmbeddingCollection,
     lookahead_sharders,
 )
 
@@ -17,7 +19,9 @@ __all__ = [
     "LookaheadEmbeddingBagCollection",
     "LookaheadEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingCollection",
+    "LookaheadEmbeddingCollectionSharder",
     "ShardedHotRowsEmbeddingBagCollection",
     "ShardedLookaheadEmbeddingBagCollection",
+    "ShardedLookaheadEmbeddingCollection",
     "lookahead_sharders",
 ]

@@ -131,7 +131,7 @@ class CachedCollection(ModuleBase):
     before the TorchRec base).
 
     The collection builds its TorchRec base on ``settings.host``, then calls
-    :meth:`_init_cache`. It gives :meth:`_table_configs` and :meth:`_tables` (its
+    :meth:`_init_cache`. It gives :meth:`table_configs` and :meth:`_tables` (its
     base's configs and ``nn.Embedding`` / ``nn.EmbeddingBag`` modules, by table
     name); its ``forward`` looks up through ``self._cached`` (one group per data
     type, features in :attr:`feature_names` order, split by :meth:`_group_parts`).
@@ -141,7 +141,7 @@ class CachedCollection(ModuleBase):
 
     # -------------------------------------------- what the collection gives
 
-    def _table_configs(self) -> list[BaseEmbeddingConfig]:
+    def table_configs(self) -> list[BaseEmbeddingConfig]:
         """The tables, as the TorchRec base lists them."""
         raise NotImplementedError
 
@@ -166,7 +166,7 @@ class CachedCollection(ModuleBase):
         at the first ``attach``). ``init_each``: the base runs each table's ``init_fn`` right
         after drawing it (``EmbeddingCollection``), not after drawing every table
         (``EmbeddingBagCollection``): a disk store replays the same order."""
-        tables = self._table_configs()
+        tables = self.table_configs()
         self._compute_device = settings.compute
         self._store_files = settings.files
         self.store_dir = settings.store_dir
@@ -204,7 +204,7 @@ class CachedCollection(ModuleBase):
         """The slots each table brings to its pool (before any raise at the first batch)."""
         return [
             self.sizing.rows(t.name, t.num_embeddings, t.num_embeddings)
-            for t in self._table_configs()
+            for t in self.table_configs()
         ]
 
     @property
@@ -224,7 +224,7 @@ class CachedCollection(ModuleBase):
 
     def fused_config(self) -> dict[str, Any]:
         """The TBE settings: ``fused_params`` merged with the in-backward optimizer."""
-        configured = [in_backward_optimizers(self._weight(t.name)) for t in self._table_configs()]
+        configured = [in_backward_optimizers(self._weight(t.name)) for t in self.table_configs()]
         if len({(tuple(c), repr(k)) for c, k in configured}) > 1:
             raise ValueError("every table of one module must have the same fused optimizer")
         params = dict(self._fused_params)
@@ -244,7 +244,7 @@ class CachedCollection(ModuleBase):
     @property
     def metrics(self) -> list[CacheMetrics]:
         """Per-table counters (zero until training starts)."""
-        metrics = [CacheMetrics() for _ in self._table_configs()]
+        metrics = [CacheMetrics() for _ in self.table_configs()]
         for tables, group in zip(self._groups, self._cached):
             for table, counted in zip(tables, group.metrics):
                 metrics[table] = counted
@@ -257,7 +257,7 @@ class CachedCollection(ModuleBase):
 
     def cache_metrics(self) -> dict[str, CacheMetrics]:
         """Counters per table name."""
-        return {t.name: m for t, m in zip(self._table_configs(), self.metrics)}
+        return {t.name: m for t, m in zip(self.table_configs(), self.metrics)}
 
     def attach(self, window: Window) -> None:
         """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""
@@ -360,7 +360,7 @@ class CachedCollection(ModuleBase):
         """The cache group of ``tables`` (indices; one data type), its store their rows."""
         params = self.fused_config()
         optimizer = params.pop("optimizer")
-        configs = [self._table_configs()[t] for t in tables]
+        configs = [self.table_configs()[t] for t in tables]
         # On CUDA the tables stay pageable: rows move through pinned staging buffers (the
         # store's), so no table is copied into page-locked memory.
         on_cuda = self._compute_device.type == "cuda"
@@ -397,7 +397,7 @@ class CachedCollection(ModuleBase):
         generator state, no table in RAM); the ``init_fn`` then writes the mapped
         weights in place, in the same order.
         """
-        configs = self._table_configs()
+        configs = self.table_configs()
         files.check_space(
             sum(4 * c.num_embeddings * c.embedding_dim for c in configs), "the tables"
         )

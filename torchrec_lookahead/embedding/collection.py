@@ -127,7 +127,7 @@ class LookaheadEmbeddingBagCollection(CachedCollection, EmbeddingBagCollection):
         self._output_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         self._columns = _output_columns(tables, self._lookup)
 
-    def _table_configs(self) -> list[BaseEmbeddingConfig]:
+    def table_configs(self) -> list[BaseEmbeddingConfig]:
         return list(self.embedding_bag_configs())
 
     def _tables(self) -> nn.ModuleDict:

@@ -1,4 +1,9 @@
-"""The sharded kernel: TorchRec's fused kernel, its full-shard TBE the store, a cache in front.
+"""The sharded kernels: TorchRec's fused kernels, their full-shard TBE the store, a cache in front.
+
+:class:`LookaheadFusedEmbeddingBag` serves pooled tables (a sharded
+``EmbeddingBagCollection``), :class:`LookaheadFusedEmbedding` sequence tables (a
+sharded ``EmbeddingCollection``: one row per id, FBGEMM's pooling ``NONE``); both
+are :class:`LookaheadKernel` over TorchRec's kernel of their kind.
 
 On CPU the kernel is planned as ``fused`` (the store TBE is in host memory
 anyway). On CUDA it is planned as ``fused_uvm_caching``: the planner's
@@ -10,6 +15,7 @@ as plain UVM (``fused_uvm``), without FBGEMM's own cache.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead._compat import (
     FusedKernelBase,
     FusedOptimizerBase,
+    FusedSequenceKernelBase,
 )
 from torchrec_lookahead.cache.tables import CachedTables
 from torchrec_lookahead.checks import no_fused_optimizer
@@ -41,11 +48,26 @@ from torchrec_lookahead.variable_batch import (
     tbe_batch_sizes,
 )
 
-__all__ = ["CacheAwareFusedOptimizer", "LookaheadFusedEmbeddingBag"]
+__all__ = [
+    "CacheAwareFusedOptimizer",
+    "LookaheadFusedEmbedding",
+    "LookaheadFusedEmbeddingBag",
+    "LookaheadKernel",
+]
 
 
-class LookaheadFusedEmbeddingBag(FusedKernelBase):
-    """TorchRec's fused kernel, its full-shard TBE the store, a lookahead cache in front."""
+class LookaheadKernel:
+    """A TorchRec fused kernel (a base listed after this mixin), its full-shard TBE the
+    store, a lookahead cache in front. A subclass says how a step's features reach the
+    cache's lookup (:meth:`step_lookup`)."""
+
+    store_tbe: Any
+    local_rows: list[int]
+    local_cols: list[int]
+    feature_table_map: list[int]
+    pooling: Any
+    training: bool
+    use_fused_optimizer: Callable[[CacheAwareFusedOptimizer], None]
 
     def __init__(
         self,
@@ -76,7 +98,7 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
             config = dataclasses.replace(config, fused_params=fused)
         if "optimizer" not in (config.fused_params or {}):
             raise no_fused_optimizer(f"tables {[t.name for t in config.embedding_tables]}")
-        super().__init__(config, pg, device, sharding_type, env)
+        super().__init__(config, pg, device, sharding_type, env)  # type: ignore[call-arg]
         params = dict(config.fused_params or {})
         params.pop("preallocated_host_buffers", None)
         optimizer = params.pop("optimizer")
@@ -153,22 +175,44 @@ class LookaheadFusedEmbeddingBag(FusedKernelBase):
         if self.cached.context is not None:  # a step runs: its slots are in its context
             # The fused optimizer's learning rate lives on the store TBE; keep the cache's in step.
             set_learning_rate(self.cached.cache.tbe, self.store_tbe.get_learning_rate())
-            weights = features.weights_or_none()
-            # A deduplicated batch: its bags per feature and rank, and TorchRec's preallocated
-            # output when several kernels of a lookup merge theirs (as its fused kernel gets them).
-            variable_batch = tbe_batch_sizes(features)
-            if variable_batch:
-                variable_batch.update(kwargs)
-            return self.cached.lookup(
-                features.offsets(), features.values().numel(), weights, **variable_batch
-            )
+            return self.step_lookup(features, **kwargs)
         if self.training and torch.is_grad_enabled():
             raise RuntimeError(
                 "a lookahead-cached table trains through LookaheadTrainPipeline; call the "
                 "model directly only in eval mode or under torch.no_grad()"
             )
         self.write_back()
-        return super().forward(features, *args, **kwargs)  # the store TBE: current weights
+        return super().forward(features, *args, **kwargs)  # type: ignore[misc]
+
+    def step_lookup(self, features: KeyedJaggedTensor, **kwargs: Any) -> torch.Tensor:
+        """The running step's lookup of ``features`` through the cache."""
+        raise NotImplementedError
+
+
+class LookaheadFusedEmbeddingBag(LookaheadKernel, FusedKernelBase):
+    """TorchRec's fused kernel of pooled tables, its full-shard TBE the store, a lookahead
+    cache in front."""
+
+    def step_lookup(self, features: KeyedJaggedTensor, **kwargs: Any) -> torch.Tensor:
+        # A deduplicated batch: its bags per feature and rank, and TorchRec's preallocated
+        # output when several kernels of a lookup merge theirs (as its fused kernel gets them).
+        variable_batch = tbe_batch_sizes(features)
+        if variable_batch:
+            variable_batch.update(kwargs)
+        return self.cached.lookup(
+            features.offsets(),
+            features.values().numel(),
+            features.weights_or_none(),
+            **variable_batch,
+        )
+
+
+class LookaheadFusedEmbedding(LookaheadKernel, FusedSequenceKernelBase):
+    """TorchRec's fused kernel of sequence tables (one row per id), its full-shard TBE the
+    store, a lookahead cache in front."""
+
+    def step_lookup(self, features: KeyedJaggedTensor, **kwargs: Any) -> torch.Tensor:
+        return self.cached.lookup(features.offsets(), features.values().numel(), None)
 
 
 def _row_offset(table: Any) -> int:
@@ -214,7 +258,7 @@ class CacheAwareFusedOptimizer(FusedOptimizerBase):
     cached rows' weights and state (hot rows' replicas reload before they are next read).
     """
 
-    def __init__(self, config, emb_module, pg, kernel: LookaheadFusedEmbeddingBag) -> None:  # noqa: ANN001
+    def __init__(self, config, emb_module, pg, kernel: LookaheadKernel) -> None:  # noqa: ANN001
         self._kernel = kernel
         super().__init__(config, emb_module, pg)
 

@@ -1,8 +1,8 @@
-"""The sharded lookup: TorchRec's pooled lookup, building lookahead kernels for fused tables."""
+"""The sharded lookups: TorchRec's lookups, building lookahead kernels for fused tables."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -12,18 +12,28 @@ from torchrec.distributed.types import (
     ShardingType,
 )
 
-from torchrec_lookahead._compat import (
-    LookupBase,
+from torchrec_lookahead._compat import LookupBase, SequenceLookupBase
+from torchrec_lookahead.embedding.kernel import (
+    LookaheadFusedEmbedding,
+    LookaheadFusedEmbeddingBag,
+    LookaheadKernel,
 )
-from torchrec_lookahead.embedding.kernel import LookaheadFusedEmbeddingBag
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.types import CacheSizing
 
-__all__ = ["LookaheadPooledEmbeddingsLookup"]
+__all__ = [
+    "LookaheadLookup",
+    "LookaheadPooledEmbeddingsLookup",
+    "LookaheadSequenceEmbeddingsLookup",
+]
 
 
-class LookaheadPooledEmbeddingsLookup(LookupBase):
-    """TorchRec's pooled lookup, building lookahead kernels for fused tables."""
+class LookaheadLookup:
+    """A TorchRec lookup (a base listed after this mixin) whose kernels are ``kernel_type``:
+    each group of fused tables gets a lookahead kernel, sized by ``sizing``, its store in
+    host memory or in a disk store's files."""
+
+    kernel_type: ClassVar[type[LookaheadKernel]]
 
     def __init__(
         self, *args: Any, sizing: CacheSizing, store: tuple[StoreFiles, str] | None, **kwargs: Any
@@ -40,7 +50,7 @@ class LookaheadPooledEmbeddingsLookup(LookupBase):
         pg: dist.ProcessGroup | None,
         sharding_type: ShardingType | None,
         env: ShardingEnv | None,
-    ) -> LookaheadFusedEmbeddingBag:
+    ) -> LookaheadKernel:
         kernels = {EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.FUSED_UVM_CACHING}
         if config.compute_kernel not in kernels:
             raise ValueError(
@@ -52,6 +62,16 @@ class LookaheadPooledEmbeddingsLookup(LookupBase):
             files, prefix = self._store
             store = files, f"{prefix}.kernel{self._kernels_made}"
         self._kernels_made += 1
-        return LookaheadFusedEmbeddingBag(
-            config, self._sizing, pg, device, sharding_type, env, store
-        )
+        return self.kernel_type(config, self._sizing, pg, device, sharding_type, env, store)
+
+
+class LookaheadPooledEmbeddingsLookup(LookaheadLookup, LookupBase):
+    """TorchRec's pooled lookup, building lookahead kernels for fused tables."""
+
+    kernel_type = LookaheadFusedEmbeddingBag
+
+
+class LookaheadSequenceEmbeddingsLookup(LookaheadLookup, SequenceLookupBase):
+    """TorchRec's sequence lookup, building lookahead kernels for fused tables."""
+
+    kernel_type = LookaheadFusedEmbedding

@@ -91,7 +91,7 @@ class LookaheadEmbeddingCollection(CachedCollection, EmbeddingCollection):
         self._init_cache(settings, fused_params, PoolingMode.NONE, init_each=True)
         self._places = output_places(tables, self._lookup)
 
-    def _table_configs(self) -> list[BaseEmbeddingConfig]:
+    def table_configs(self) -> list[BaseEmbeddingConfig]:
         return list(self.embedding_configs())
 
     def _tables(self) -> nn.ModuleDict:

@@ -1,10 +1,13 @@
-"""``ShardedLookaheadEmbeddingBagCollection``: TorchRec's sharded collection, pipeline-driven.
+"""TorchRec's sharded collections, pipeline-driven.
 
 TorchRec's sharded collection is kept whole: its lookups create lookahead
 kernels (:mod:`~torchrec_lookahead.embedding.kernel`), and the pipeline splits
 its forward in time, ``input_dist`` when a batch enters the window and the rest
 at the step. Every rank caches only the shards it owns, so each row has one
-owner. Replicated hot rows extend it
+owner. :class:`ShardedLookaheadModule` is that driving, over either of TorchRec's
+sharded collections: :class:`ShardedLookaheadEmbeddingBagCollection` (pooled) here,
+:class:`~torchrec_lookahead.embedding.sequence_sharded.ShardedLookaheadEmbeddingCollection`
+(sequence) beside it. Replicated hot rows extend the pooled one
 (:class:`~torchrec_lookahead.embedding.hot.sharded.ShardedHotRowsEmbeddingBagCollection`)
 through three hooks: ``create_context``, ``route`` and ``complete``.
 """
@@ -12,7 +15,7 @@ through three hooks: ``create_context``, ``route`` and ``complete``.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,20 +30,33 @@ from torchrec_lookahead._compat import (
     ShardedCollectionBase,
 )
 from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
-from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
-from torchrec_lookahead.embedding.kernel import LookaheadFusedEmbeddingBag
-from torchrec_lookahead.embedding.lookup import LookaheadPooledEmbeddingsLookup
+from torchrec_lookahead.embedding.cached import CachedCollection
+from torchrec_lookahead.embedding.kernel import LookaheadKernel
+from torchrec_lookahead.embedding.lookup import LookaheadLookup, LookaheadPooledEmbeddingsLookup
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.traffic import label
 from torchrec_lookahead.types import ModuleInput, StepContext, StepPlan, Window
 from torchrec_lookahead.variable_batch import gather_bags
 
-__all__ = ["ShardedLookaheadEmbeddingBagCollection", "refusals", "vote"]
+__all__ = [
+    "ShardedLookaheadEmbeddingBagCollection",
+    "ShardedLookaheadModule",
+    "refusals",
+    "vote",
+]
+
+if TYPE_CHECKING:
+    # TorchRec's sharded collections are untyped here (Any to mypy): the mixin reads their
+    # attributes as they do.
+    ShardedBase = Any
+else:
+    ShardedBase = object
 
 
-class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
-    """``ShardedEmbeddingBagCollection`` with lookahead kernels, driven by the pipeline.
+class ShardedLookaheadModule(ShardedBase):
+    """A TorchRec sharded collection (a base listed after this mixin, with the hooks of
+    ``_compat``'s sharded bases) with lookahead kernels, driven by the pipeline.
 
     The lookahead stage runs ``input_dist`` for a batch when it enters the
     window (``prepare``), so each rank's oracles see exactly the ids its shards
@@ -53,7 +69,9 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
     keeps TorchRec's own.
     """
 
-    def __init__(self, module: LookaheadEmbeddingBagCollection, **kwargs: Any) -> None:
+    lookup_type: ClassVar[type[LookaheadLookup]]
+
+    def __init__(self, module: CachedCollection, **kwargs: Any) -> None:
         # TorchRec's constructor calls back into this class before it returns: it builds
         # the lookups (``make_lookup`` reads the cache sizing and the disk store's files)
         # and may build the input dists (``input_dists_created`` reads the stage's
@@ -74,13 +92,10 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         super().__init__(module=module, **kwargs)
         row_wise = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value}
         self._row_wise_on_gloo = bool(
-            row_wise & set(self.sharding_type_to_sharding_infos)
+            row_wise & set(self.sharding_types)
             and dist.is_initialized()
             and dist.get_backend(self.env.process_group) == "gloo"
         )
-        # Row-wise shards' outputs of a deduplicated batch need a reduce-scatter of uneven
-        # parts, which gloo lacks: refused from two ranks up (at one rank there is one part).
-        self._refuse_variable_batch = self._row_wise_on_gloo and self.env.world_size > 1
         # Collectives take tensors of the device the sharded module computes on (NCCL: CUDA).
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
@@ -88,11 +103,11 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         # The last batch every rank let through this module's vote since ``attach``: a
         # refused batch's stand-in in the collectives (see ``prepare``).
         self._stand_in: KeyedJaggedTensor | None = None
-        self._table_features = {t.name: list(t.feature_names) for t in self.embedding_bag_configs()}
+        self._table_features = {t.name: list(t.feature_names) for t in self.table_configs()}
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
     @property
-    def kernels(self) -> list[LookaheadFusedEmbeddingBag]:
+    def kernels(self) -> list[LookaheadKernel]:
         """This rank's lookahead kernels (one per group of its shards)."""
         return [kernel for lookup in self.lookups for kernel in lookup.kernels]
 
@@ -109,9 +124,9 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         device: torch.device | None,
         sharding_type: ShardingType | None,
         env: ShardingEnv,
-    ) -> LookaheadPooledEmbeddingsLookup:
+    ) -> LookaheadLookup:
         files = self._store_files
-        return LookaheadPooledEmbeddingsLookup(
+        return self.lookup_type(
             grouped_configs=configs,
             pg=pg,
             device=device,
@@ -217,12 +232,6 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
         """Why this collection cannot take a batch of ``features``' kind, if it cannot."""
-        if self._refuse_variable_batch and features.variable_stride_per_key():
-            return ValueError(
-                "a deduplicated (variable-batch) batch cannot reach row-wise shards over gloo: "
-                "their outputs need a reduce-scatter of uneven parts, which gloo lacks; shard "
-                "these tables table- or column-wise, or send plain batches"
-            )
         return None
 
     def _agree(self, error: ValueError | None) -> None:
@@ -266,15 +275,12 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         step_input = context.inputs[self]
         assert step_input.distributed is not None  # a sharded module's input is distributed
         ctx, distributed = step_input.distributed
-        output = GatheredOutput.adopt(self.compute_and_output_dist(ctx, distributed), gather_bags)
-        return self.complete(ctx, output)
+        return self.step_output(ctx, distributed)
 
-    def complete(
-        self, ctx: EmbeddingBagCollectionContext, output: LazyAwaitable[KeyedTensor]
-    ) -> LazyAwaitable[KeyedTensor]:
-        """The step's output, from the shards' ``output`` of the batch ``route`` sent them
-        (a subclass adds what it kept in ``ctx``). Here: ``output``."""
-        return output
+    def step_output(self, ctx: Any, distributed: Any) -> Any:
+        """The step's output from the input the stage distributed (TorchRec's lookups and
+        output dist; a subclass may add to it)."""
+        return self.compute_and_output_dist(ctx, distributed)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         self.write_back()
@@ -284,6 +290,40 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedCollectionBase):
         """The tables were loaded: every cache refreshes from its store."""
         for group in self.cached_groups:
             group.cache.refresh()
+
+
+class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadModule, ShardedCollectionBase):
+    """``ShardedEmbeddingBagCollection`` with lookahead kernels, driven by the pipeline
+    (see :class:`ShardedLookaheadModule`)."""
+
+    lookup_type = LookaheadPooledEmbeddingsLookup
+
+    def __init__(self, module: CachedCollection, **kwargs: Any) -> None:
+        super().__init__(module=module, **kwargs)
+        # Row-wise shards' outputs of a deduplicated batch need a reduce-scatter of uneven
+        # parts, which gloo lacks: refused from two ranks up (at one rank there is one part).
+        self._refuse_variable_batch = self._row_wise_on_gloo and self.env.world_size > 1
+
+    def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
+        """Why this collection cannot take a batch of ``features``' kind, if it cannot."""
+        if self._refuse_variable_batch and features.variable_stride_per_key():
+            return ValueError(
+                "a deduplicated (variable-batch) batch cannot reach row-wise shards over gloo: "
+                "their outputs need a reduce-scatter of uneven parts, which gloo lacks; shard "
+                "these tables table- or column-wise, or send plain batches"
+            )
+        return None
+
+    def step_output(self, ctx: EmbeddingBagCollectionContext, distributed: Any) -> Any:
+        output = GatheredOutput.adopt(self.compute_and_output_dist(ctx, distributed), gather_bags)
+        return self.complete(ctx, output)
+
+    def complete(
+        self, ctx: EmbeddingBagCollectionContext, output: LazyAwaitable[KeyedTensor]
+    ) -> LazyAwaitable[KeyedTensor]:
+        """The step's output, from the shards' ``output`` of the batch ``route`` sent them
+        (a subclass adds what it kept in ``ctx``). Here: ``output``."""
+        return output
 
 
 def vote(error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device) -> None:

@@ -4,7 +4,10 @@
 DMP and to the planner; it builds a
 :class:`~torchrec_lookahead.embedding.sharded.ShardedLookaheadEmbeddingBagCollection`,
 whose kernels (:mod:`~torchrec_lookahead.embedding.kernel`) cache the shards
-each rank owns. ``HotRowsEmbeddingBagCollectionSharder`` does the same for
+each rank owns. ``LookaheadEmbeddingCollectionSharder`` does the same for
+sequence tables
+(:class:`~torchrec_lookahead.embedding.sequence_sharded.ShardedLookaheadEmbeddingCollection`).
+``HotRowsEmbeddingBagCollectionSharder`` does the same for
 :class:`~torchrec_lookahead.embedding.hot.collection.HotRowsEmbeddingBagCollection`,
 whose sharded module also replicates the hot rows
 (:mod:`~torchrec_lookahead.embedding.hot.sharded`). The module layout follows
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import get_default_sharders
@@ -28,20 +32,53 @@ from torchrec.distributed.types import (
     ShardingType,
 )
 
+from torchrec_lookahead.embedding.cached import CachedCollection
 from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
 from torchrec_lookahead.embedding.hot.collection import HotRowsEmbeddingBagCollection
 from torchrec_lookahead.embedding.hot.sharded import ShardedHotRowsEmbeddingBagCollection
 from torchrec_lookahead.embedding.kernel import LookaheadFusedEmbeddingBag
+from torchrec_lookahead.embedding.sequence import LookaheadEmbeddingCollection
+from torchrec_lookahead.embedding.sequence_sharded import ShardedLookaheadEmbeddingCollection
 from torchrec_lookahead.embedding.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.tbe import check_trained
 
 __all__ = [
     "HotRowsEmbeddingBagCollectionSharder",
     "LookaheadEmbeddingBagCollectionSharder",
+    "LookaheadEmbeddingCollectionSharder",
     "LookaheadFusedEmbeddingBag",
     "ShardedLookaheadEmbeddingBagCollection",
+    "ShardedLookaheadEmbeddingCollection",
     "lookahead_sharders",
 ]
+
+
+def check_plan(module: CachedCollection, params: dict[str, ParameterSharding]) -> None:
+    """Refuse, before TorchRec's sharding builds any TBE, a plan a lookahead cache cannot
+    serve: a table of a type FBGEMM does not train (its type may have changed since the
+    module was built), or a shard with no rows."""
+    check_trained(module.table_configs())
+    for name, sharding in params.items():
+        shards = sharding.sharding_spec.shards if sharding.sharding_spec else []
+        empty = [
+            rank for rank, shard in zip(sharding.ranks or [], shards) if shard.shard_sizes[0] == 0
+        ]
+        if empty:
+            raise ValueError(
+                f"table {name}: the plan gives ranks {empty} no rows of it "
+                f"({sharding.sharding_type}, {sum(s.shard_sizes[0] for s in shards)} rows); "
+                "a lookahead cache needs rows on every shard: shard it table-wise, or over "
+                "fewer ranks than it has rows"
+            )
+
+
+def lookahead_kernels(compute_device_type: str) -> list[str]:
+    """The compute kernel a lookahead table is planned as: ``fused`` on the CPU (the store
+    is in host memory anyway), ``fused_uvm_caching`` on CUDA (the planner then counts the
+    cache in device memory and the rows in host memory, this kernel's layout)."""
+    if compute_device_type == "cuda":
+        return [EmbeddingComputeKernel.FUSED_UVM_CACHING.value]
+    return [EmbeddingComputeKernel.FUSED.value]
 
 
 class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -76,23 +113,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: torch.device | None = None,
         module_fqn: str | None = None,
     ) -> ShardedLookaheadEmbeddingBagCollection:
-        # Its tables' types may have changed since the module was built: checked before
-        # TorchRec's sharding builds any TBE.
-        check_trained(module.embedding_bag_configs())
-        for name, sharding in params.items():
-            shards = sharding.sharding_spec.shards if sharding.sharding_spec else []
-            empty = [
-                rank
-                for rank, shard in zip(sharding.ranks or [], shards)
-                if shard.shard_sizes[0] == 0
-            ]
-            if empty:
-                raise ValueError(
-                    f"table {name}: the plan gives ranks {empty} no rows of it "
-                    f"({sharding.sharding_type}, {sum(s.shard_sizes[0] for s in shards)} rows); "
-                    "a lookahead cache needs rows on every shard: shard it table-wise, or over "
-                    "fewer ranks than it has rows"
-                )
+        check_plan(module, params)
         return self.sharded_module_type(
             module=module,
             table_name_to_parameter_sharding=params,
@@ -110,10 +131,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return [t.value for t in types]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        kernel = EmbeddingComputeKernel.FUSED
-        if compute_device_type == "cuda":
-            kernel = EmbeddingComputeKernel.FUSED_UVM_CACHING
-        return [kernel.value]
+        return lookahead_kernels(compute_device_type)
 
     @property
     def module_type(self) -> type[LookaheadEmbeddingBagCollection]:
@@ -122,6 +140,51 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     @property
     def sharded_module_type(self) -> type[ShardedLookaheadEmbeddingBagCollection]:
         return ShardedLookaheadEmbeddingBagCollection
+
+
+class LookaheadEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+    """Shards ``LookaheadEmbeddingCollection`` (sequence tables) with lookahead-cached fused
+    kernels.
+
+    Offers what TorchRec's ``EmbeddingCollectionSharder`` offers on the CPU and on CUDA
+    except data-parallel (a replicated table has no single owner to cache it):
+    table-wise, column-wise and row-wise. The output dist is TorchRec's own. Deduplicated
+    (variable-stride) batches are refused, as the unsharded collection refuses them.
+    """
+
+    def shard(
+        self,
+        module: LookaheadEmbeddingCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedLookaheadEmbeddingCollection:
+        check_plan(module, params)
+        return ShardedLookaheadEmbeddingCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params={**module.fused_params, **(self.fused_params or {})},
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = [ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE]
+        return [t.value for t in types]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return lookahead_kernels(compute_device_type)
+
+    @property
+    def module_type(self) -> type[LookaheadEmbeddingCollection]:
+        return LookaheadEmbeddingCollection
+
+    @property
+    def sharded_module_type(self) -> type[ShardedLookaheadEmbeddingCollection]:
+        return ShardedLookaheadEmbeddingCollection
 
 
 class HotRowsEmbeddingBagCollectionSharder(LookaheadEmbeddingBagCollectionSharder):
@@ -175,12 +238,13 @@ def lookahead_sharders(
 ) -> list[ModuleSharder]:
     """The sharders for a model mixing lookahead and plain TorchRec modules.
 
-    The lookahead collection's and the hot-rows collection's first, then
-    TorchRec's default sharders for every other module type
-    (``EmbeddingBagCollection``, ``EmbeddingCollection``, ...).
+    The lookahead collections' (pooled, sequence and hot-rows) first, then TorchRec's
+    default sharders for every other module type (``EmbeddingBagCollection``,
+    ``EmbeddingCollection``, ...).
     """
     return [
         LookaheadEmbeddingBagCollectionSharder(fused_params, cpu_row_wise=cpu_row_wise),
+        LookaheadEmbeddingCollectionSharder(fused_params),
         HotRowsEmbeddingBagCollectionSharder(fused_params, cpu_row_wise=cpu_row_wise),
         *get_default_sharders(),
     ]

@@ -79,7 +79,7 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
             for name in hot
         }
         params = {name: dict(infos[name].fused_params or {}) for name in hot}
-        configs = self.embedding_bag_configs()
+        configs = self.table_configs()
         layout = HotLayout(
             hot,
             keys=[f for t in configs for f in t.feature_names],
