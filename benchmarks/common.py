@@ -1,5 +1,5 @@
-"""What the benchmarks share: the machine they ran on, the smallest workable cache, and
-running the DLRM example."""
+"""What the benchmarks share: the machine they ran on, the smallest workable cache,
+sequence batches, and running the DLRM example."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["example_flags", "machine", "pinned_rows_needed", "run_example"]
+__all__ = ["SequenceData", "example_flags", "machine", "pinned_rows_needed", "run_example"]
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "dlrm" / "dlrm_main.py")
 
@@ -64,6 +66,36 @@ def pinned_rows_needed(stream: list[np.ndarray], prefetch_distance: int) -> int:
     return max(
         len(np.unique(np.concatenate(stream[max(0, s - d) : s + 1]))) for s in range(len(stream))
     )
+
+
+@dataclass(frozen=True)
+class SequenceData:
+    """Sequence batches, as a sequence model (BERT4Rec) reads them: each sample a history
+    of items, its length drawn uniformly from ``lengths`` (both ends included), its items
+    drawn from ``num_rows`` items of Zipf popularity (``ZipfSampler``: ``zipf_exponent``,
+    salted by ``seed``). Batch ``step`` depends only on ``seed`` and ``step``, so a test
+    regenerates what a benchmark ran."""
+
+    num_rows: int
+    zipf_exponent: float = 1.1
+    lengths: tuple[int, int] = (50, 200)
+    seed: int = 0
+
+    @cached_property
+    def _sampler(self) -> Any:
+        from torchrec_lookahead.data import ZipfSampler
+
+        return ZipfSampler(self.num_rows, self.zipf_exponent, salt=self.seed)
+
+    def batch(self, step: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Batch ``step``: each sample's history length, and the items, sample after sample."""
+        rng = np.random.default_rng([self.seed, step])
+        lengths = rng.integers(self.lengths[0], self.lengths[1] + 1, batch_size)
+        return lengths, self._sampler.sample(rng, int(lengths.sum()))
+
+    def stream(self, batch_size: int, steps: int) -> list[np.ndarray]:
+        """The items of each of the first ``steps`` batches."""
+        return [self.batch(step, batch_size)[1] for step in range(steps)]
 
 
 def example_flags(

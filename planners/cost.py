@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -75,8 +74,8 @@ class TableCacheCost:
         return 4 * (self.dim + self.state_floats)
 
     def cache_rows(self, load_factor: float) -> int:
-        floor = math.ceil(self.stats.min_load_factor * self.num_rows)
-        return min(self.num_rows, max(math.ceil(load_factor * self.num_rows), floor, 1))
+        """The rows the module caches at ``load_factor`` (its statistics' sizing)."""
+        return self.stats.capacity(load_factor)
 
     def device_bytes(self, load_factor: float) -> int:
         return self.cache_rows(load_factor) * (self.row_bytes + SLOT_INDEX_BYTES)

@@ -2,7 +2,9 @@
 
 Each wraps TorchRec's own estimator: every sharding option gets TorchRec's
 estimate first (so plain tables in a mixed model are estimated as usual), then
-options of ``LookaheadEmbeddingBagCollection`` get the lookahead layout:
+options of the lookahead collections (``LookaheadEmbeddingBagCollection`` and its
+hot-rows subclass, ``LookaheadEmbeddingCollection`` for sequence tables) get the
+lookahead layout:
 
 * storage: device memory for the shard's cache (rows x (weights + optimizer
   state) + slot index), host memory for the full shard, its optimizer state
@@ -28,7 +30,7 @@ from torchrec.distributed.planner.types import (
 )
 
 from planners.cost import TableCacheCost, row_move_bandwidth
-from torchrec_lookahead.embedding.collection import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.embedding.cached import CachedCollection
 
 __all__ = ["LookaheadPerfEstimator", "LookaheadStorageEstimator"]
 
@@ -51,10 +53,7 @@ class _LookaheadShards(ShardEstimator):
         """``(shard, cost, load factor, share of the table)`` for every lookahead shard."""
         for option in options:
             module = option.module[1]
-            if (
-                not isinstance(module, LookaheadEmbeddingBagCollection)
-                or option.name not in self._costs
-            ):
+            if not isinstance(module, CachedCollection) or option.name not in self._costs:
                 continue
             cost = self._costs[option.name]
             params = option.cache_params

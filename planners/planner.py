@@ -9,7 +9,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.types import CacheParams, ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from planners.cost import (
     ROWWISE_OPTIMIZERS,
@@ -45,14 +45,14 @@ class LookaheadShardingPlanner(EmbeddingShardingPlanner):
 def lookahead_planner(
     topology: Topology,
     batch_size: int,
-    tables: Sequence[EmbeddingBagConfig],
+    tables: Sequence[BaseEmbeddingConfig],
     statistics: Mapping[str, LookaheadCacheStatistics],
     optimizer: EmbOptimType,
     step_compute_ms: float,
     cache_budget_bytes: int | None = None,
     constraints: Mapping[str, ParameterConstraints] | None = None,
 ) -> tuple[LookaheadShardingPlanner, CacheProposal]:
-    """A planner for models with ``LookaheadEmbeddingBagCollection`` modules, and its cache sizes.
+    """A planner for models with lookahead collections, and its cache sizes.
 
     Every table with ``statistics`` gets the cache load factor the
     :class:`LookaheadCacheProposer` picks (through ``cache_params.load_factor``,
@@ -63,7 +63,8 @@ def lookahead_planner(
     Args:
         topology: CPU or CUDA topology.
         batch_size: per-rank batch size, as for ``EmbeddingShardingPlanner``.
-        tables: the lookahead tables' configs.
+        tables: the lookahead tables' configs: ``EmbeddingBagConfig`` (bag collections),
+            ``EmbeddingConfig`` (sequence collections), or both.
         statistics: measured miss rates per table name (``LookaheadCacheStatistics``).
         optimizer: the fused optimizer (its state travels with the rows).
         step_compute_ms: a step's compute time, which prefetches hide behind.

@@ -27,12 +27,22 @@ class LookaheadCacheStatistics(CacheStatistics):
 
     Misses are counted over the second half of the sample (the first half
     warms the cache), per distinct id of a step: the rate a long training run
-    settles at, without the first touches of a short sample. Below the
-    smallest workable cache (what ``prefetch_distance + 1`` batches use
-    together) a table cannot be cached; the module floors it there.
+    settles at, without the first touches of a short sample.
+
+    Every load factor is measured at the cache the module holds for it: its
+    share of the rows, raised at the first batch to what ``d + 1`` batches of
+    as many ids can touch (ids counted with their repeats, as the module counts
+    them), and never below the rows ``d + 1`` consecutive batches use together
+    (a module whose window needs more grows its cache there; these statistics
+    count it at the window's size). That floor, ``min_rows``, matters most for
+    sequence tables (``EmbeddingConfig``), whose samples repeat popular ids: a
+    batch of histories holds several times as many ids as distinct rows. With
+    the sample's first batch the training run's first, the misses counted here
+    are the module's, step for step.
 
     Args:
-        batches: the table's ids in each sample batch (global batches).
+        batches: the table's ids in each sample batch (global batches): every id of its
+            features, repeats included (a sequence table's: every item of every history).
         num_rows: rows of the table; ids are checked against it.
         lookahead: the pipeline's ``L``.
         prefetch_distance: the pipeline's ``d``.
@@ -63,15 +73,21 @@ class LookaheadCacheStatistics(CacheStatistics):
         workable = max(
             len(np.unique(np.concatenate(steps[max(0, s - d) : s + 1]))) for s in range(len(steps))
         )
-        self.min_load_factor = workable / num_rows
+        self.min_rows = min(num_rows, max((d + 1) * len(steps[0]), workable))
+        self.min_load_factor = self.min_rows / num_rows
         warm = len(steps) // 2
         self.grid = np.array(sorted(set(grid) | {1.0}), dtype=np.float64)
         rates = []
         for clf in self.grid:
-            capacity = min(num_rows, max(math.ceil(clf * num_rows), workable))
+            capacity = self.capacity(clf)
             misses = oracle_misses(steps, capacity, lookahead, d, num_rows)
             rates.append(misses[warm:].sum() / max(distinct[warm:].sum(), 1))
         self.rates = np.minimum.accumulate(np.array(rates))  # more cache never misses more
+
+    def capacity(self, clf: float) -> int:
+        """The cache rows the module holds for a load factor of ``clf``: its share of the
+        rows, at least ``min_rows``, at most every row."""
+        return min(self.num_rows, max(math.ceil(clf * self.num_rows), self.min_rows))
 
     @property
     def expected_lookups(self) -> float:

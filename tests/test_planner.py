@@ -11,14 +11,20 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
 from fbgemm_gpu.tbe.cache.cache_config import MultiPassPrefetchConfig
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.types import CacheParams, KeyValueParams
 from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.optim import RowWiseAdagrad
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.optim import SGD, RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.types import DataType
 
+from benchmarks.common import SequenceData, pinned_rows_needed
 from planners import (
     LookaheadCacheProposer,
     LookaheadCacheStatistics,
@@ -26,12 +32,14 @@ from planners import (
     lookahead_planner,
     plan_report,
 )
-from tests.models import batches, lookahead_model, train_lookahead
+from tests.models import LR, batches, lookahead_model, train_lookahead
 from torchrec_lookahead import (
     LookaheadEmbeddingBagCollection,
     LookaheadEmbeddingBagCollectionSharder,
+    LookaheadEmbeddingCollection,
 )
 from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.oracle.misses import oracle_misses
 
 FEATURES = {"t0": (["f0", "f1"], 4000, 0), "t2": (["f3"], 10000, 2)}
 
@@ -307,3 +315,94 @@ def test_every_user_constraint_survives_into_the_enumeration() -> None:
         assert params.stats.expected_lookups == ours.expected_lookups != theirs.expected_lookups
         for k, v in planned.items():
             assert k == "stats" or getattr(params, k) == v, f"cache_params.{k}"
+
+
+# A sequence table: each sample's history of 20-60 items of Zipf popularity, 8 samples a batch.
+ITEMS = EmbeddingConfig(
+    name="item", embedding_dim=8, num_embeddings=6000, feature_names=["history"]
+)
+HISTORIES = SequenceData(ITEMS.num_embeddings, lengths=(20, 60), seed=5)
+
+
+def history_batches(steps: int) -> list[Batch]:
+    """The first ``steps`` batches of ``HISTORIES`` (no dense features, labels unused)."""
+    out = []
+    for step in range(steps):
+        lengths, ids = HISTORIES.batch(step, 8)
+        features = KeyedJaggedTensor.from_lengths_sync(
+            keys=["history"], values=torch.from_numpy(ids), lengths=torch.from_numpy(lengths)
+        )
+        out.append(Batch(torch.zeros(8, 0), features, torch.zeros(8, dtype=torch.int64)))
+    return out
+
+
+class HistoryModel(nn.Module):
+    """A sequence collection's rows, one logit each: enough for the pipeline to train it."""
+
+    def __init__(self, items: nn.Module) -> None:
+        super().__init__()
+        self.sequence = items
+        torch.manual_seed(0)
+        self.over = nn.Linear(ITEMS.embedding_dim, 1)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.over(self.sequence(batch.sparse_features)["history"].values()).squeeze(1)
+        return logits.square().mean(), logits.detach()
+
+
+def test_a_sequence_tables_statistics_are_its_modules_misses_step_for_step() -> None:
+    """At each measured load factor, a ``LookaheadEmbeddingCollection`` given it and
+    trained on the sample's batches holds the cache the statistics measured at, misses at
+    every step what the oracle misses there, and its second-half miss rate is the
+    statistics' rate. Its floor is what two batches' ids (repeats counted, as the module
+    counts them) can touch, well above the rows two batches use together."""
+    data = history_batches(24)
+    ids = [b.sparse_features["history"].values().numpy() for b in data]
+    stats = LookaheadCacheStatistics(ids, ITEMS.num_embeddings, 4, 1, "item")
+    assert stats.min_rows == 2 * len(ids[0]) > 1.5 * pinned_rows_needed(ids, 1)
+    for clf in (0.001, 0.2, 0.5):  # below the floor, and two larger shares
+        items = LookaheadEmbeddingCollection([ITEMS], cache_load_factor=clf)
+        apply_optimizer_in_backward(SGD, items.parameters(), {"lr": LR})
+        train_lookahead(HistoryModel(items), data, 4, 1)
+        (group,) = items.cached_groups
+        capacity = stats.capacity(clf)
+        assert group.cache_rows == [capacity] == [max(stats.min_rows, round(clf * 6000))]
+        distinct, misses = (
+            np.array([group.step_counts[s][k][0] for s in range(24)]) for k in (0, 1)
+        )
+        assert np.array_equal(misses, oracle_misses(ids, capacity, 4, 1, 6000))
+        assert stats.expected_miss_rate(clf) == misses[12:].sum() / distinct[12:].sum()
+        assert np.array_equal(distinct, [len(np.unique(i)) for i in ids])
+
+
+def test_plans_for_a_sequence_table_carry_the_proposed_cache_size() -> None:
+    """The planner sizes a sequence table (``EmbeddingConfig``) from its statistics: the
+    proposal starts at its floor and stays in the budget, and every sharding option
+    TorchRec's enumerator makes for an ``EmbeddingCollection`` holding it, and the plan,
+    carry the proposed load factor and the statistics."""
+    ids = [b.sparse_features["history"].values().numpy() for b in history_batches(24)]
+    stats = {"item": LookaheadCacheStatistics(ids, ITEMS.num_embeddings, 4, 1, "item")}
+    cost = TableCacheCost("item", 6000, 8, 0, stats["item"])
+    budget = cost.device_bytes(0.5)
+    planner, proposal = lookahead_planner(
+        Topology(world_size=2, compute_device="cpu"),
+        8,
+        [ITEMS],
+        stats,
+        EmbOptimType.EXACT_SGD,
+        step_compute_ms=0.0,
+        cache_budget_bytes=budget,
+    )
+    clf = proposal.load_factors["item"]
+    assert stats["item"].min_load_factor <= clf <= 0.5
+    assert proposal.device_bytes["item"] == cost.device_bytes(clf) <= budget
+    collection = EmbeddingCollection([ITEMS], device=torch.device("meta"))
+    options = planner.enumerator.enumerate(collection, [EmbeddingCollectionSharder()])
+    assert options
+    for option in options:
+        assert option.cache_params is not None and option.cache_params.load_factor == clf
+        assert option.cache_params.stats.min_rows == stats["item"].min_rows
+    plan = planner.plan(HistoryModel(collection), [EmbeddingCollectionSharder()])
+    (sharding,) = next(iter(plan.plan.values())).values()
+    assert sharding.cache_params.load_factor == clf
+    assert "item" in plan_report(plan, proposal)
