@@ -14,6 +14,12 @@ frequency tie-break), two ways:
   oracle and MIN all run pooled, so pooled MIN is the limit the pooled oracle
   is measured against.
 
+With ``--sequence`` the stream is sequence batches instead (``SequenceData``):
+one item table of --items rows, each sample a history of --history-lengths
+items (uniform, ends included) of Zipf popularity, as a sequence model such as
+BERT4Rec looks them up; one table, so no pooled runs, and no planning-speed
+part (it has a trace of its own).
+
 It checks the device oracle (``DeviceOracleCacher``, on CUDA if there is one) against
 the numba oracle on the per-table traces, at each lookahead and the
 ``--device-check-fractions`` cache sizes: their misses must be equal at every step of
@@ -24,7 +30,7 @@ It then times the oracle, on 1 and 2 partitions (threads), against
 table, the floor for any planner that has to deduplicate its input.
 
 Writes ``report.json`` (``misses.results``: per table; ``misses.variants``:
-per-table variants; ``misses.pooled``: one cache over all tables;
+per-table variants; ``misses.pooled``: one cache over all tables, empty for one table;
 ``misses.device_check``: device oracle against numba oracle) and
 ``misses.png`` into --out and prints the tables.
 """
@@ -40,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import machine, pinned_rows_needed
+from common import SequenceData, machine, pinned_rows_needed
 from tqdm import tqdm
 
 from torchrec_lookahead import DeviceOracleCacher
@@ -51,9 +57,18 @@ from torchrec_lookahead.oracle.partitioned import PartitionedOracle
 BAGPIPE_IDS_PER_S = 16384 * 26 / 0.075  # Bagpipe's Python oracle, per its paper
 
 
-def miss_table(args: argparse.Namespace) -> dict[str, object]:
+def trace(args: argparse.Namespace) -> tuple[list[list[np.ndarray]], tuple[int, ...]]:
+    """Per table, the ids of each batch, and the tables' rows: the Criteo-shaped stream,
+    or with --sequence the item table's histories."""
+    if args.sequence:
+        histories = SequenceData(args.items, args.zipf, tuple(args.history_lengths), args.seed)
+        return [histories.stream(args.batch_size, args.steps)], (args.items,)
     data = SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed)
-    streams = data.table_streams(args.batch_size, args.steps)
+    return data.table_streams(args.batch_size, args.steps), data.num_embeddings
+
+
+def miss_table(args: argparse.Namespace) -> dict[str, object]:
+    streams, num_rows = trace(args)
     floors = [pinned_rows_needed(s, args.prefetch_distance) for s in streams]
     distinct_per_step = sum(len(np.unique(b)) for s in streams for b in s)
     compulsory = sum(len(np.unique(np.concatenate(s))) for s in streams)
@@ -62,8 +77,7 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
     def per_table(simulate) -> object:
         """Total misses of ``simulate(stream, capacity, rows)`` over the tables."""
         return lambda caps: sum(
-            int(simulate(stream, cap, n).sum())
-            for stream, cap, n in zip(streams, caps, data.num_embeddings)
+            int(simulate(stream, cap, n).sum()) for stream, cap, n in zip(streams, caps, num_rows)
         )
 
     policies: dict[str, object] = {"LRU": per_table(lru_misses), "LFU": per_table(lfu_misses)}
@@ -80,32 +94,28 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
     # One cache over all tables: table t's id i is sum(rows of tables < t) + i, and the
     # capacity is the sum of the tables' shares (what a slot pool plans, and how FBGEMM's
     # UVM cache is shared by a TBE's tables).
-    offsets = np.cumsum([0, *data.num_embeddings[:-1]])
+    offsets = np.cumsum([0, *num_rows[:-1]])
     pooled_stream = [
         np.concatenate([stream[step] + offset for stream, offset in zip(streams, offsets)])
         for step in range(args.steps)
     ]
-    total_rows = sum(data.num_embeddings)
+    total_rows = sum(num_rows)
 
     def one_pool(simulate) -> object:
         """Misses of ``simulate(stream, capacity, rows)`` on the pooled stream."""
         return lambda caps: int(simulate(pooled_stream, sum(caps), total_rows).sum())
 
-    pooled: dict[str, object] = {
-        "pooled LRU": one_pool(lru_misses),
-        "pooled LFU": one_pool(lfu_misses),
-    }
-    for lookahead in args.lookaheads:
-        pooled[f"pooled L={lookahead}"] = one_pool(
-            lambda b, c, n, L=lookahead: oracle_misses(b, c, L, d, n)
-        )
-    pooled["pooled MIN"] = one_pool(min_misses)
+    pooled: dict[str, object] = {}
+    if len(streams) > 1:  # one table's pool is its own cache
+        pooled = {"pooled LRU": one_pool(lru_misses), "pooled LFU": one_pool(lfu_misses)}
+        for lookahead in args.lookaheads:
+            pooled[f"pooled L={lookahead}"] = one_pool(
+                lambda b, c, n, L=lookahead: oracle_misses(b, c, L, d, n)
+            )
+        pooled["pooled MIN"] = one_pool(min_misses)
 
     def capacities_at(fraction: float) -> list[int]:
-        return [
-            min(n, max(math.ceil(fraction * n), floor))
-            for n, floor in zip(data.num_embeddings, floors)
-        ]
+        return [min(n, max(math.ceil(fraction * n), floor)) for n, floor in zip(num_rows, floors)]
 
     def results(named: dict[str, object]) -> list[dict[str, object]]:
         rows = []
@@ -131,7 +141,7 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
         for fraction, lookahead in tqdm(runs, desc="device oracle", unit="run"):
             numba = device = 0
             equal = True
-            for stream, cap, n in zip(streams, capacities_at(fraction), data.num_embeddings):
+            for stream, cap, n in zip(streams, capacities_at(fraction), num_rows):
                 want = oracle_misses(stream, cap, lookahead, d, n)
                 oracle = DeviceOracleCacher(cap, lookahead, d, n)
                 got = np.array([p.num_misses for p in oracle.plan(map(torch.from_numpy, stream))])
@@ -150,9 +160,9 @@ def miss_table(args: argparse.Namespace) -> dict[str, object]:
         return rows
 
     return {
-        "tables": data.num_tables,
-        "rows": sum(data.num_embeddings),
-        "ids": args.batch_size * args.steps * data.num_tables,
+        "tables": len(streams),
+        "rows": sum(num_rows),
+        "ids": sum(len(b) for s in streams for b in s),
         "distinct_ids_per_step_total": distinct_per_step,
         "compulsory_misses": compulsory,
         "results": results(policies),
@@ -214,15 +224,17 @@ def plot(report: dict[str, object], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    misses = report["misses"]
-    panels = [
-        ("a cache per table (fixed share each)", misses["results"] + misses["variants"]),
-        ("one pooled cache over all tables (same total)", misses["pooled"]),
-    ]
+    misses, cfg = report["misses"], report["config"]
+    per_table = (
+        "the item table's cache" if cfg["sequence"] else "a cache per table (fixed share each)"
+    )
+    panels = [(per_table, misses["results"] + misses["variants"])]
+    if misses["pooled"]:
+        panels.append(("one pooled cache over all tables (same total)", misses["pooled"]))
     variants = {r["policy"] for r in misses["variants"]}
     compulsory = misses["compulsory_misses"] / misses["distinct_ids_per_step_total"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    for ax, (title, results) in zip(axes, panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(9, 6 * len(panels)), 4.8), squeeze=False)
+    for ax, (title, results) in zip(axes[0], panels):
         for policy in dict.fromkeys(r["policy"] for r in results):
             pts = [r for r in results if r["policy"] == policy]
             ax.plot(
@@ -241,50 +253,77 @@ def plot(report: dict[str, object], path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    axes[0].set_ylabel("misses (% of distinct ids per step)")
-    cfg = report["config"]
-    fig.suptitle(
-        f"Criteo-shaped stream, scale {cfg['scale']}, Zipf {cfg['zipf']}, "
-        f"batch {cfg['batch_size']}, {cfg['steps']} steps"
-    )
+    axes[0][0].set_ylabel("misses (% of distinct ids per step)")
+    fig.suptitle(f"{stream_title(cfg)}, {cfg['steps']} steps")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def print_misses(title: str, results: list[dict[str, object]], ratio: tuple[str, str]) -> None:
-    """One table of miss rates, a column per policy and ``ratio[0] / ratio[1]`` last."""
+def stream_title(cfg: dict[str, object]) -> str:
+    """What the misses were counted on, in words."""
+    if cfg["sequence"]:
+        low, high = cfg["history_lengths"]
+        return (
+            f"Sequence batches: {cfg['items']:,} items, Zipf {cfg['zipf']}, "
+            f"histories of {low}-{high}, batch {cfg['batch_size']}"
+        )
+    return (
+        f"Criteo-shaped stream, scale {cfg['scale']}, Zipf {cfg['zipf']}, batch {cfg['batch_size']}"
+    )
+
+
+def print_misses(
+    title: str, results: list[dict[str, object]], ratios: list[tuple[str, str]]
+) -> None:
+    """One table of miss rates, a column per policy, then ``top / bottom`` (their misses)
+    for each pair of ``ratios``."""
     policies = list(dict.fromkeys(r["policy"] for r in results))
     fractions = list(dict.fromkeys(r["cache_fraction"] for r in results))
-    top, bottom = ratio
-    label = "/".join(p.removeprefix("pooled ").removeprefix("oracle ") for p in ratio)
+    labels = [
+        "/".join(p.removeprefix("pooled ").removeprefix("oracle ") for p in r) for r in ratios
+    ]
     print(f"\n{title}")
-    print(f"{'cache':>7} {'rows':>10} " + " ".join(f"{p:>14}" for p in policies) + f" {label:>12}")
+    print(
+        f"{'cache':>7} {'rows':>10} "
+        + " ".join(f"{p:>14}" for p in policies)
+        + "".join(f" {label:>12}" for label in labels)
+    )
     for f in fractions:
         row = {r["policy"]: r for r in results if r["cache_fraction"] == f}
         cells = " ".join(f"{100 * row[p]['miss_rate']:>13.2f}%" for p in policies)
-        quotient = row[top]["misses"] / row[bottom]["misses"]
-        print(f"{100 * f:>6.1f}% {row[policies[0]]['cache_rows']:>10,} {cells} {quotient:>11.2f}x")
+        quotients = "".join(
+            f" {row[top]['misses'] / row[bottom]['misses']:>11.2f}x" for top, bottom in ratios
+        )
+        print(f"{100 * f:>6.1f}% {row[policies[0]]['cache_rows']:>10,} {cells}{quotients}")
 
 
 def print_tables(report: dict[str, object]) -> None:
-    misses = report["misses"]
-    longest = max(report["config"]["lookaheads"])
+    misses, cfg = report["misses"], report["config"]
+    longest = max(cfg["lookaheads"])
     print(
-        f"\nMisses (% of distinct ids per step) on {misses['tables']} tables, "
+        f"\nMisses (% of distinct ids per step) on {misses['tables']} "
+        f"table{'s' if misses['tables'] > 1 else ''}, "
         f"{misses['rows']:,} rows, {misses['ids']:,} ids; compulsory misses "
         f"{100 * misses['compulsory_misses'] / misses['distinct_ids_per_step_total']:.2f}%"
     )
-    print_misses(
-        "A cache per table, each a fixed share of the slots:",
-        misses["results"] + misses["variants"],
-        (f"oracle L={longest}", "LRU"),
-    )
-    print_misses(
-        "One pooled cache over all tables' ids (offset per table), the same total slots:",
-        misses["pooled"],
-        (f"pooled L={longest}", "pooled LRU"),
-    )
+    if cfg["sequence"]:
+        print_misses(
+            f"{stream_title(cfg)}, {cfg['steps']} steps:",
+            misses["results"] + misses["variants"],
+            [(f"oracle L={longest}", p) for p in ("LRU", "LFU", "MIN")],
+        )
+    else:
+        print_misses(
+            "A cache per table, each a fixed share of the slots:",
+            misses["results"] + misses["variants"],
+            [(f"oracle L={longest}", "LRU")],
+        )
+        print_misses(
+            "One pooled cache over all tables' ids (offset per table), the same total slots:",
+            misses["pooled"],
+            [(f"pooled L={longest}", "pooled LRU")],
+        )
     if misses["device_check"]:
         print("\nThe device oracle against the numba oracle, per table (their misses):")
         for r in misses["device_check"]:
@@ -293,6 +332,15 @@ def print_tables(report: dict[str, object]) -> None:
                 f"{100 * r['cache_fraction']:>6.1f}% L={r['lookahead']:<4} {r['device']:>6} "
                 f"{r['device_misses']:>10,} {r['numba_misses']:>10,}  {verdict}"
             )
+    if "throughput" in report:
+        print_throughput(report)
+    print(
+        f"\nMachine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
+        f"{report['date']}"
+    )
+
+
+def print_throughput(report: dict[str, object]) -> None:
     cfg = report["config"]
     print(
         f"\nPlanning speed: {cfg['tp_batches']} batches of {cfg['tp_batch']:,} ids, "
@@ -309,10 +357,6 @@ def print_tables(report: dict[str, object]) -> None:
             f"{t['unique_s']:>9.3f} {t['ratio_to_unique']:>6.2f} {t['ids_per_s'] / 1e6:>8.1f} "
             f"{t['speedup_vs_bagpipe']:>9.1f}"
         )
-    print(
-        f"\nMachine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
-        f"{report['date']}"
-    )
 
 
 def main() -> None:
@@ -320,11 +364,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/oracle"))
     parser.add_argument("--scale", type=float, default=0.1, help="table size factor")
     parser.add_argument("--zipf", type=float, default=1.1)
-    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, help="samples (default 4096; --sequence 128)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--cache-fractions", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.05, 0.10]
+        "--cache-fractions",
+        type=float,
+        nargs="+",
+        help="default 0.005 0.01 0.02 0.05 0.1 (--sequence: 0.01 0.02 0.05 0.1 0.2)",
+    )
+    parser.add_argument(
+        "--sequence", action="store_true", help="sequence batches: histories of one item table"
+    )
+    parser.add_argument("--items", type=int, default=1_000_000, help="--sequence: item rows")
+    parser.add_argument(
+        "--history-lengths",
+        type=int,
+        nargs=2,
+        default=[50, 200],
+        metavar=("LOW", "HIGH"),
+        help="--sequence: each history's length, uniform in [LOW, HIGH]",
     )
     parser.add_argument("--lookaheads", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--prefetch-distance", type=int, default=1)
@@ -343,6 +402,12 @@ def main() -> None:
     parser.add_argument("--tp-partitions", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if args.batch_size is None:
+        args.batch_size = 128 if args.sequence else 4096
+    if args.cache_fractions is None:
+        args.cache_fractions = (
+            [0.01, 0.02, 0.05, 0.1, 0.2] if args.sequence else [0.005, 0.01, 0.02, 0.05, 0.1]
+        )
 
     start = time.perf_counter()
     report = {
@@ -351,7 +416,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     report["misses"] = miss_table(args)
-    report["throughput"] = throughput(args)
+    if not args.sequence:
+        report["throughput"] = throughput(args)
     report["seconds"] = time.perf_counter() - start
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))

@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.common import SequenceData
 from tests.models import needs_store_buffers
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.metrics import EMBEDDING_KINDS
-from torchrec_lookahead.oracle.misses import lru_misses, oracle_misses
+from torchrec_lookahead.oracle.misses import lfu_misses, lru_misses, min_misses, oracle_misses
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,6 +119,70 @@ def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
             f"{t['partitions']:>2} {t['lookahead']:>4} {t['oracle_s']:>9.3f} {t['unique_s']:>9.3f}"
         )
         assert row in out
+    assert (tmp_path / "misses.png").stat().st_size > 0
+
+
+def test_oracle_report_on_sequence_batches(tmp_path: Path) -> None:
+    """``--sequence``: every policy's misses are its misses on the regenerated histories,
+    and each printed row has the rates and the L / LRU, LFU, MIN ratios of the JSON."""
+    out = benchmark(
+        "oracle",
+        tmp_path,
+        "--sequence",
+        "--items",
+        "20000",
+        "--history-lengths",
+        "10",
+        "30",
+        "--batch-size",
+        "16",
+        "--steps",
+        "30",
+        "--cache-fractions",
+        "0.01",
+        "0.1",
+        "--lookaheads",
+        "2",
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "throughput" not in report and "Planning speed" not in out
+    misses = report["misses"]
+    stream = SequenceData(20000, 1.1, (10, 30), seed=0).stream(16, 30)
+    lengths = [len(b) for b in stream]
+    assert min(lengths) >= 16 * 10 and max(lengths) <= 16 * 30
+    assert (misses["tables"], misses["rows"], misses["ids"]) == (1, 20000, sum(lengths))
+    distinct = sum(len(np.unique(b)) for b in stream)
+    assert misses["distinct_ids_per_step_total"] == distinct
+    assert misses["compulsory_misses"] == len(np.unique(np.concatenate(stream)))
+    assert misses["pooled"] == []  # one table: its pool is its cache
+    simulated = {
+        "LRU": lambda cap: lru_misses(stream, cap, 20000),
+        "LFU": lambda cap: lfu_misses(stream, cap, 20000),
+        "oracle L=2": lambda cap: oracle_misses(stream, cap, 2, 1, 20000),
+        "MIN": lambda cap: min_misses(stream, cap, 20000),
+        "L=2 recency": lambda cap: oracle_misses(stream, cap, 2, 1, 20000, "recency"),
+    }
+    rows = misses["results"] + misses["variants"]
+    assert [r["policy"] for r in rows] == 2 * list(simulated)[:4] + 2 * ["L=2 recency"]
+    for fraction in (0.01, 0.1):
+        capacity = min(20000, max(math.ceil(fraction * 20000), widest_window(stream, 1)))
+        at = {r["policy"]: r for r in rows if r["cache_fraction"] == fraction}
+        for policy, simulate in simulated.items():
+            assert at[policy]["cache_rows"] == capacity
+            assert at[policy]["misses"] == int(simulate(capacity).sum()), (policy, fraction)
+            assert at[policy]["miss_rate"] == pytest.approx(at[policy]["misses"] / distinct)
+        cells = " ".join(f"{100 * at[p]['miss_rate']:>13.2f}%" for p in simulated)
+        ratios = "".join(
+            f" {at['oracle L=2']['misses'] / at[p]['misses']:>11.2f}x"
+            for p in ("LRU", "LFU", "MIN")
+        )
+        assert f"{100 * fraction:>6.1f}% {capacity:>10,} {cells}{ratios}" in out
+    (checked,) = misses["device_check"]
+    assert checked["equal_every_step"]
+    assert checked["numba_misses"] == checked["device_misses"]
+    assert checked["numba_misses"] == next(
+        r["misses"] for r in rows if r["policy"] == "oracle L=2" and r["cache_fraction"] == 0.01
+    )
     assert (tmp_path / "misses.png").stat().st_size > 0
 
 
