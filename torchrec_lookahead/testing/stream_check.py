@@ -16,10 +16,13 @@ synchronised, and every ``record_stream``; a dispatch mode in every thread sees
 every operator, which runs on its thread's current stream (the trainer's
 stream, the device's default, outside any stream block). It keeps a vector
 clock per stream and, per block of memory, which stream last wrote it and
-which read it since. Index operators (``index_copy_``, ``index_select``) and
-FBGEMM's TBE kernels are followed row by row: the side stream moves rows into
-the cache while the trainer's step reads other rows of the same tables, which
-is ordered by the plan, not by events.
+which read it since (:mod:`~torchrec_lookahead.testing.races`). What an
+operator reads and writes comes from its schema
+(:mod:`~torchrec_lookahead.testing.operator_access`); index operators
+(``index_copy_``, ``index_select``) and FBGEMM's TBE kernels are followed row
+by row: the side stream moves rows into the cache while the trainer's step
+reads other rows of the same tables, which is ordered by the plan, not by
+events.
 
 It checks device memory: CUDA tensors (fake ones, see
 :mod:`~torchrec_lookahead.testing.fake_cuda`) when the device is CUDA; on the
@@ -37,14 +40,14 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 import torchrec_lookahead.streams as streams
-from torchrec_lookahead._compat import DispatchMode, op_schema
+from torchrec_lookahead._compat import DispatchMode
+from torchrec_lookahead.testing.operator_access import OperatorAccesses, tensors_in
+from torchrec_lookahead.testing.races import TrackedStorage, Use
 from torchrec_lookahead.testing.threads import in_new_threads
 
 __all__ = ["CheckedStream", "StreamChecker", "StreamError"]
@@ -57,26 +60,6 @@ _PACKAGE = "torchrec_lookahead"
 
 class StreamError(AssertionError):
     """Device memory used across streams without the ordering CUDA needs."""
-
-
-@dataclass
-class _Access:
-    """Who touched a block of memory (or one row of it) since it was last written."""
-
-    write: tuple[int, int, str] | None = None  # (stream, seq, operator)
-    reads: dict[int, tuple[int, str]] = field(default_factory=dict)  # stream -> (seq, operator)
-
-
-@dataclass
-class _Track:
-    """One storage: its allocation, its accesses (whole and by row) and its users."""
-
-    what: str
-    alloc: tuple[int, int, str] | None  # (stream, seq, operator); None: made before
-    whole: _Access = field(default_factory=_Access)
-    rows: dict[int, _Access] = field(default_factory=dict)
-    users: dict[int, tuple[int, str]] = field(default_factory=dict)  # stream -> last use
-    recorded: set[int] = field(default_factory=set)  # streams given by record_stream
 
 
 class _Event:
@@ -145,19 +128,16 @@ class StreamChecker(streams.StreamBackend):
         self._saved_threads = torch.get_num_threads()
         self.errors: list[str] = []
         self.operators = 0  # operators seen on checked memory
-        self._values = values or (lambda tensor: tensor)
+        self._accesses = OperatorAccesses(values or (lambda tensor: tensor))
         self._names = ["the trainer's stream (the default stream)"]
         self._clocks: list[dict[int, int]] = [{TRAINER: 0}]
         self._local = threading.local()
-        self._tracks: dict[int, _Track] = {}
+        self._tracks: dict[int, TrackedStorage] = {}
         self._host: set[int] = set()
         self._lock = threading.RLock()
         self._active = False
         self._modes: list[tuple[int, Any]] = []
         self._blocks: list[Any] = []
-        self._schemas: dict[Any, list[tuple[str, bool | None]]] = {}
-        self._names_of: dict[Any, str] = {}
-        self._returns: dict[Any, bool] = {}
 
     # ------------------------------------------------------------ the block
 
@@ -299,7 +279,7 @@ class StreamChecker(streams.StreamBackend):
             with self._lock:
                 self._track(tensor, None).recorded.add(stream)
 
-    def _track(self, tensor: torch.Tensor, made: tuple[int, int, str] | None) -> _Track:
+    def _track(self, tensor: torch.Tensor, made: tuple[int, int, str] | None) -> TrackedStorage:
         storage = tensor.untyped_storage()
         key = id(storage)
         track = self._tracks.get(key)
@@ -307,7 +287,7 @@ class StreamChecker(streams.StreamBackend):
             what = f"a {str(tensor.dtype).replace('torch.', '')} tensor {list(tensor.shape)}"
             if made is not None:
                 what += f" made by {made[2]} on {self._names[made[0]]}"
-            track = self._tracks[key] = _Track(what, made)
+            track = self._tracks[key] = TrackedStorage(what, made)
             weakref.finalize(storage, self._freed, key)
         return track
 
@@ -339,27 +319,27 @@ class StreamChecker(streams.StreamBackend):
             stream = args[1].stream_id - _TOKEN_BASE if isinstance(args[1], torch.Stream) else 0
             self.record_stream(args[0], stream if stream >= 0 else self.current())
             return None
-        whole, rows = self._accesses(func, args, kwargs)
+        whole, rows = self._accesses.of(func, args, kwargs)
         whole = [(t, write) for t, write in whole if self.checked(t)]
         rows = [(t, keys, write) for t, keys, write in rows if self.checked(t)]
         if not whole and not rows:
             out = func(*args, **kwargs)
             self._made(out, func, None)
             return out
-        name = self._name(func)
+        name = self._accesses.name(func)
         with self._lock:
             self.operators += 1
             stream = self.current()
             clock = self._clocks[stream]
             _merge(clock, self._host_clock())
             clock[stream] += 1
-            seq, known = clock[stream], dict(clock)
+            seq = clock[stream]
+            use = Use(stream, seq, dict(clock), name)
             found: list[str] = []
             for tensor, write in whole:
-                self._whole(self._track(tensor, None), stream, seq, known, write, name, found)
+                self._track(tensor, None).use_whole(use, write, self._names, found)
             for tensor, keys, write in rows:
-                track = self._track(tensor, None)
-                self._rows(track, keys, stream, seq, known, write, name, found)
+                self._track(tensor, None).use_rows(keys, use, write, self._names, found)
             if found:
                 where = _where()
                 self.errors.extend(f"{message}\n  at: {where}" for message in found)
@@ -370,9 +350,9 @@ class StreamChecker(streams.StreamBackend):
     def _made(self, out: Any, func: Any, made: tuple[int, int, str] | None) -> None:
         """Outputs in new memory: allocated on the current stream, written by ``func``
         (a view's or an in-place operator's output is memory of its input)."""
-        if self._aliased_returns(func):
+        if self._accesses.aliased_returns(func):
             return
-        outputs = [t for t in _tensors(out) if self.checked(t)]
+        outputs = [t for t in tensors_in(out) if self.checked(t)]
         if not outputs:
             return
         with self._lock:
@@ -381,230 +361,12 @@ class StreamChecker(streams.StreamBackend):
                 clock = self._clocks[stream]
                 _merge(clock, self._host_clock())
                 clock[stream] += 1
-                made = (stream, clock[stream], self._name(func))
+                made = (stream, clock[stream], self._accesses.name(func))
             for tensor in outputs:
                 if id(tensor.untyped_storage()) not in self._tracks:
                     track = self._track(tensor, made)
                     track.whole.write = made
                     track.users[made[0]] = (made[1], made[2])
-
-    def _whole(
-        self,
-        track: _Track,
-        stream: int,
-        seq: int,
-        known: dict[int, int],
-        write: bool,
-        op: str,
-        found: list[str],
-    ) -> None:
-        self._against(track, track.whole, stream, known, write, op, found, "")
-        for key, access in track.rows.items():
-            self._against(
-                track, access, stream, known, write, op, found, f" (row at {key})", reads=write
-            )
-        if write:
-            track.whole, track.rows = _Access((stream, seq, op)), {}
-        else:
-            track.whole.reads[stream] = (seq, op)
-        track.users[stream] = (seq, op)
-
-    def _rows(
-        self,
-        track: _Track,
-        keys: np.ndarray,
-        stream: int,
-        seq: int,
-        known: dict[int, int],
-        write: bool,
-        op: str,
-        found: list[str],
-    ) -> None:
-        self._against(track, track.whole, stream, known, write, op, found, "", reads=write)
-        for key in np.unique(keys).tolist():
-            access = track.rows.get(key)
-            if access is None:
-                access = track.rows[key] = _Access()
-            elif len(found) < 3:
-                self._against(track, access, stream, known, write, op, found, f" (row at {key})")
-            if write:
-                access.write, access.reads = (stream, seq, op), {}
-            else:
-                access.reads[stream] = (seq, op)
-        track.users[stream] = (seq, op)
-
-    def _against(
-        self,
-        track: _Track,
-        access: _Access,
-        stream: int,
-        known: dict[int, int],
-        write: bool,
-        op: str,
-        found: list[str],
-        where: str,
-        reads: bool = True,
-    ) -> None:
-        """Report ``op``'s access on ``stream`` if an earlier one of another stream is not
-        ordered before it (writes against everything, reads against writes)."""
-        doing = "written" if write else "read"
-        last = access.write
-        if last is not None and last[0] != stream and known.get(last[0], 0) < last[1]:
-            found.append(
-                f"{track.what}{where} is {doing} on {self._names[stream]} by {op}, but it was "
-                f"written on {self._names[last[0]]} by {last[2]} with no event wait between "
-                "them"
-            )
-        if write and reads:
-            for other, (seq, other_op) in access.reads.items():
-                if other != stream and known.get(other, 0) < seq:
-                    found.append(
-                        f"{track.what}{where} is written on {self._names[stream]} by {op} "
-                        f"while {self._names[other]} may still read it ({other_op}): no event "
-                        "wait between them"
-                    )
-
-    def _accesses(
-        self, func: Any, args: tuple, kwargs: dict
-    ) -> tuple[list[tuple[torch.Tensor, bool]], list[tuple[torch.Tensor, np.ndarray, bool]]]:
-        """What ``func`` reads and writes: whole tensors, and rows of some."""
-        bound = self._bind(func, args, kwargs)
-        rows: list[tuple[torch.Tensor, np.ndarray, bool]] = []
-        by_row: set[str] = set()
-        if func in (aten.index_copy_.default, aten.index_select.default, aten.index_select.out):
-            if bound["dim"] == 0 and bound["self"].dim() > 0:
-                target = bound["self"]
-                keys = self._keys(target, bound["index"])
-                rows.append((target, keys, func is aten.index_copy_.default))
-                by_row.add("self")
-        elif func.namespace == "fbgemm" and "split_embedding" in func.name():
-            bound = _named_weights(bound)
-            rows, by_row = self._tbe_rows(func, bound)
-        whole: list[tuple[torch.Tensor, bool]] = []
-        for name, write in self._schema(func):
-            if name in by_row or write is None:
-                continue
-            if name == "weights" and by_row.intersection(("host_weights", "dev_weights")):
-                # packed and followed by row: its placements and offsets are only read
-                whole.extend((bound[n], False) for n in _PACKED_METADATA if n in bound)
-                continue
-            for tensor in _tensors(bound.get(name)):
-                whole.append((tensor, write))
-        return whole, rows
-
-    def _schema(self, func: Any) -> list[tuple[str, bool | None]]:
-        """Per argument: written (True), read (False), or neither (``None``: a view or a
-        metadata query reads no data)."""
-        cached = self._schemas.get(func)
-        if cached is not None:
-            return cached
-        metadata = func.namespace == "prim" or func in _METADATA
-        known: list[tuple[str, bool | None]] = []
-        for a in op_schema(func).arguments:
-            aliased = a.alias_info is not None
-            write = aliased and bool(a.alias_info.is_write)
-            known.append((a.name, None if metadata or (aliased and not write) else write))
-        self._schemas[func] = known
-        return known
-
-    def _name(self, func: Any) -> str:
-        name = self._names_of.get(func)
-        if name is None:
-            name = self._names_of[func] = str(func).replace(".default", "")
-        return name
-
-    def _aliased_returns(self, func: Any) -> bool:
-        """Whether ``func`` returns memory of its inputs (a view, or in place)."""
-        aliased = self._returns.get(func)
-        if aliased is None:
-            aliased = any(r.alias_info is not None for r in op_schema(func).returns)
-            self._returns[func] = aliased
-        return aliased
-
-    def _bind(self, func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-        names = [name for name, _ in self._schema(func)]
-        return {**dict(zip(names, args)), **kwargs}
-
-    def _keys(self, tensor: torch.Tensor, index: torch.Tensor) -> np.ndarray:
-        """Where rows ``index`` of ``tensor`` start in its storage (in elements)."""
-        ids = self._values(index).detach().numpy().astype(np.int64, copy=False)
-        return int(tensor.storage_offset()) + ids * int(tensor.stride(0))
-
-    def _tbe_rows(
-        self, func: Any, bound: dict[str, Any]
-    ) -> tuple[list[tuple[torch.Tensor, np.ndarray, bool]], set[str]]:
-        """The rows an FBGEMM TBE kernel reads (forward) or updates (backward, with the
-        optimizer's state): each feature's ids, at its table's offset, its row width apart."""
-        needed = ("D_offsets", "offsets", "indices", "weights_offsets")
-        if any(not isinstance(bound.get(name), torch.Tensor) for name in needed):
-            return [], set()
-        values = {n: self._values(bound[n]).detach().numpy().astype(np.int64) for n in needed}
-        d_offsets, offsets = values["D_offsets"], values["offsets"]
-        features = len(d_offsets) - 1
-        if features < 1 or (len(offsets) - 1) % features:
-            return [], set()  # a variable batch: followed whole
-        batch = (len(offsets) - 1) // features
-        per_feature = [
-            (
-                values["indices"][offsets[f * batch] : offsets[(f + 1) * batch]],
-                int(d_offsets[f + 1] - d_offsets[f]),
-            )
-            for f in range(features)
-        ]
-        write = "backward" in func.name()
-        rowwise = "rowwise" in func.name()
-        rows: list[tuple[torch.Tensor, np.ndarray, bool]] = []
-        by_row: set[str] = set()
-        groups = [("weights", values["weights_offsets"], False)]
-        for prefix in ("momentum1", "momentum2"):
-            if write and isinstance(bound.get(f"{prefix}_offsets"), torch.Tensor):
-                offsets_of = self._values(bound[f"{prefix}_offsets"]).detach().numpy()
-                groups.append((prefix, offsets_of.astype(np.int64), rowwise))
-        for prefix, starts, one_wide in groups:
-            keys = np.concatenate(
-                [
-                    starts[f] + ids * (1 if one_wide else width)
-                    for f, (ids, width) in enumerate(per_feature)
-                ]
-                or [np.zeros(0, np.int64)]
-            )
-            for place in ("host", "dev", "uvm"):
-                name = f"{place}_{prefix}" if prefix == "weights" else f"{prefix}_{place}"
-                tensor = bound.get(name)
-                if isinstance(tensor, torch.Tensor):
-                    by_row.add(name)
-                    if tensor.numel():
-                        rows.append((tensor, keys + tensor.storage_offset(), write))
-        return rows, by_row
-
-
-# FBGEMM >= 1.9's backward kernels take a table's weights packed in one list argument
-# (``Tensor[] weights``): on the CPU [host, placements, offsets], on CUDA [dev, uvm,
-# placements, offsets, lxu_cache]. Older releases pass each by name.
-_PACKED_WEIGHTS = {
-    3: ("host_weights", "weights_placements", "weights_offsets"),
-    5: ("dev_weights", "uvm_weights", "weights_placements", "weights_offsets", "lxu_cache_weights"),
-}
-_PACKED_METADATA = ("weights_placements", "weights_offsets")
-
-
-def _named_weights(bound: dict[str, Any]) -> dict[str, Any]:
-    """``bound`` with a packed ``weights`` list also bound by the older names."""
-    packed = bound.get("weights")
-    if not isinstance(packed, (list, tuple)) or len(packed) not in _PACKED_WEIGHTS:
-        return bound
-    return {**bound, **dict(zip(_PACKED_WEIGHTS[len(packed)], packed)), "weights": list(packed)}
-
-
-# Operators that read metadata only (views are told apart by their schemas).
-_METADATA = {
-    aten.is_pinned.default,
-    aten.sym_size.int,
-    aten.sym_stride.int,
-    aten.sym_numel.default,
-    aten.sym_storage_offset.default,
-    aten.record_stream.default,
-}
 
 
 class _Watch(DispatchMode):
@@ -625,14 +387,6 @@ def _merge(into: dict[int, int], other: dict[int, int]) -> None:
     for stream, seq in other.items():
         if into.get(stream, 0) < seq:
             into[stream] = seq
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
 
 
 def _where() -> str:
