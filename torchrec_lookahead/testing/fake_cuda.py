@@ -18,12 +18,14 @@ runs on, and keeps the host side real:
 * indexing a CUDA tensor from Python (``t[1:3]``), which torch's CPU build
   refuses before any operator runs, is rewritten into the operators it stands
   for (so are ``.to``, ``.cuda``, ``.cpu``, ``contiguous`` and ``nonzero``);
-  ``tolist`` reads the shadow;
+  ``tolist`` reads the shadow
+  (:mod:`~torchrec_lookahead.testing.fake_cuda_calls`);
 * random fills of a CUDA tensor draw on the shadow (a CPU build has no CUDA
   generator), and FBGEMM's unified-memory tensors (UVM) are device memory of
   the size asked for (their meta kernel makes an empty one); FBGEMM's
   ``keyed_jagged_index_select_dim1``, which has a CUDA kernel only, runs on
-  the shadows through FBGEMM's CPU ``permute_1D_sparse_data``;
+  the shadows through FBGEMM's CPU ``permute_1D_sparse_data``
+  (:mod:`~torchrec_lookahead.testing.fake_fbgemm`);
 * a collective of CUDA tensors (on the ``cuda:fake`` process-group backend,
   which takes CUDA tensors only, as NCCL does, and moves no data) acts on the
   shadows as in a world whose every rank holds this rank's tensors: an
@@ -34,11 +36,11 @@ runs on, and keeps the host side real:
 FBGEMM's training kernels (``split_embedding_*``) do not run on the shadows:
 the CPU kernels read a CPU table layout, and a CUDA table is laid out for the
 GPU. Their outputs' shadows are zero, and the kernels that a CPU build of
-FBGEMM ships without a fake kernel get one here (:data:`STUBBED`). Autograd
-cannot record fake CUDA tensors on a CPU build (the process aborts: autograd
-asks the missing CUDA device guard for the current stream), so an operator
-that would record one raises instead; steps run forward-only
-(``torch.no_grad()``).
+FBGEMM ships without a fake kernel get one (:data:`STUBBED`, from
+:mod:`~torchrec_lookahead.testing.fake_fbgemm`). Autograd cannot record fake
+CUDA tensors on a CPU build (the process aborts: autograd asks the missing
+CUDA device guard for the current stream), so an operator that would record
+one raises instead; steps run forward-only (``torch.no_grad()``).
 
 Private torch names live in :mod:`torchrec_lookahead._compat`.
 """
@@ -53,7 +55,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from torchrec_lookahead._compat import (
     DATA_DEPENDENT,
@@ -62,25 +63,22 @@ from torchrec_lookahead._compat import (
     UNIQUE,
     DispatchMode,
     fake_cuda_tensors,
-    has_fake_kernel,
     is_fake,
-    op_schema,
     real_tensors,
+)
+from torchrec_lookahead.testing.fake_cuda_calls import FakeCudaCalls
+from torchrec_lookahead.testing.fake_fbgemm import (
+    HOST_TWINS,
+    STUBBED,
+    UNIFIED_MEMORY,
+    is_training_kernel,
+    register_stubs,
 )
 from torchrec_lookahead.testing.threads import in_new_threads
 
 __all__ = ["STUBBED", "FakeCuda", "Transfer"]
 
 aten = torch.ops.aten
-
-# FBGEMM operators without a fake kernel in a CPU build of FBGEMM (they have CPU
-# kernels only), given one here where missing: the TBE's pooled forward, unweighted and
-# weighted.
-STUBBED = (
-    "fbgemm::split_embedding_codegen_forward_unweighted_pt2_wrapper",
-    "fbgemm::split_embedding_codegen_forward_weighted_pt2_wrapper",
-)
-_STUBS_REGISTERED: list[Any] = []  # the torch.library fragment holding them (once per process)
 
 
 @dataclass(frozen=True)
@@ -120,7 +118,7 @@ class FakeCuda:
     # ------------------------------------------------------------ the block
 
     def __enter__(self) -> FakeCuda:
-        _register_stubs()
+        register_stubs()
         self._active = True
         self._enter_thread()
         self._threads = in_new_threads(self._enter_thread)
@@ -142,7 +140,8 @@ class FakeCuda:
         The fake tensor mode stays entered below ours: torch skips initialising CUDA for
         a device argument only while one is (a CPU build has no CUDA to initialise)."""
         with self._lock:
-            for mode in (self._fake, _Dispatch(self), _Functions(self)):
+            calls = FakeCudaCalls(self.device, self.real, lambda: self._active)
+            for mode in (self._fake, _Dispatch(self), calls):
                 mode.__enter__()
                 self._modes.append((threading.get_ident(), mode))
 
@@ -191,7 +190,7 @@ class FakeCuda:
             return self._host(func, args, kwargs)
         if func is aten.record_stream.default:
             return None  # no caching allocator here; a stream checker sees these calls
-        if func in _UNIFIED:  # FBGEMM's UVM: memory of the device (its meta kernel is empty)
+        if func in UNIFIED_MEMORY:  # FBGEMM's UVM: memory of the device (its meta kernel is empty)
             like, sizes = args[0], args[1]
             with self._lock:
                 return torch.empty(sizes, dtype=like.dtype, device=self.device)
@@ -216,7 +215,7 @@ class FakeCuda:
         if func.namespace == "c10d":
             _collective_on_shadows(func, args, self._values)
             return _map2(fake_out, None, self._pair)
-        real_out = None if _no_real_run(func) else self._on_shadows(func, args, kwargs)
+        real_out = None if is_training_kernel(func) else self._on_shadows(func, args, kwargs)
         if dependent:
             return _map(real_out, self._adopt)
         return _map2(fake_out, real_out, self._pair)
@@ -249,7 +248,7 @@ class FakeCuda:
                 real_kwargs["device"] = torch.device("cpu")
         real_kwargs.pop("pin_memory", None)
         with real_tensors():
-            return _HOST_TWINS.get(func, func)(*real_args, **real_kwargs)
+            return HOST_TWINS.get(func, func)(*real_args, **real_kwargs)
 
     def _pair(self, fake: Any, real: Any) -> Any:
         """An output: a device tensor stays fake (its shadow filled if new); a host one is
@@ -323,12 +322,6 @@ _RANDOM_IN_PLACE = {
     aten.exponential_.default,
 }
 
-# FBGEMM's unified (UVM) tensors: device memory of the size asked for.
-_UNIFIED = {
-    torch.ops.fbgemm.new_unified_tensor.default,
-    torch.ops.fbgemm.new_managed_tensor.default,
-}
-
 
 def _collective_on_shadows(
     func: Any, args: tuple, values: Callable[[torch.Tensor], torch.Tensor]
@@ -371,37 +364,6 @@ def _collective_on_shadows(
             raise NotImplementedError(f"{func} of fake CUDA tensors")
 
 
-def _keyed_jagged_index_select_dim1(
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    offsets: torch.Tensor,
-    indices: torch.Tensor,
-    batch_size: int,
-    weights: torch.Tensor | None = None,
-    selected_lengths_sum: int | None = None,
-) -> list[torch.Tensor]:
-    """FBGEMM's ``keyed_jagged_index_select_dim1`` (a CUDA kernel only) on the CPU: the bags
-    ``indices`` of every key's ``batch_size`` bags, through FBGEMM's CPU permute."""
-    keys = lengths.numel() // batch_size
-    starts = torch.arange(keys, dtype=indices.dtype) * batch_size
-    picked = (starts.view(-1, 1) + indices.view(1, -1)).reshape(-1)
-    picked_lengths, picked_values, picked_weights = torch.ops.fbgemm.permute_1D_sparse_data(
-        picked, lengths, values, weights, selected_lengths_sum
-    )
-    return [picked_values, picked_lengths] + ([] if weights is None else [picked_weights])
-
-
-# FBGEMM operators with a CUDA kernel only: what runs on the shadows instead.
-_HOST_TWINS = {
-    torch.ops.fbgemm.keyed_jagged_index_select_dim1.default: _keyed_jagged_index_select_dim1,
-}
-
-
-def _no_real_run(func: Any) -> bool:
-    """FBGEMM's training kernels: a CUDA table's layout is not what their CPU kernels read."""
-    return func.namespace == "fbgemm" and "split_embedding" in func.name()
-
-
 class _Dispatch(DispatchMode):
     """Every operator of the thread, through :meth:`FakeCuda.dispatch`."""
 
@@ -414,170 +376,6 @@ class _Dispatch(DispatchMode):
         if not self.owner._active:
             return func(*args, **kwargs)
         return self.owner.dispatch(func, args, kwargs)
-
-
-class _Functions(TorchFunctionMode):
-    """Python indexing and ``tolist`` of device tensors, which a CPU build refuses before
-    dispatching (it asks the missing CUDA device guard first)."""
-
-    def __init__(self, owner: FakeCuda) -> None:
-        super().__init__()
-        self.owner = owner
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        owner = self.owner
-        if not owner._active or not args:
-            return func(*args, **kwargs)
-        if is_fake(args[0]):
-            if name == "__getitem__":
-                return _getitem(args[0], args[1])
-            if name == "__setitem__":
-                return _setitem(args[0], args[1], args[2])
-            if name == "tolist":
-                return owner.real(args[0]).tolist()
-            if name == "nonzero":
-                found = aten.nonzero.default(args[0])
-                return found.unbind(1) if kwargs.get("as_tuple") else found
-            if name == "contiguous":
-                layout = args[1] if len(args) > 1 else kwargs.get("memory_format")
-                layout = layout or torch.contiguous_format
-                if args[0].is_contiguous(memory_format=layout):
-                    return args[0]
-                return aten.clone.default(args[0], memory_format=layout)
-        if isinstance(args[0], torch.Tensor) and name in ("to", "cuda", "cpu"):
-            moved = _move(owner, args[0], name, args[1:], kwargs)
-            if moved is not None:
-                return moved
-        elif name in ("tensor", "as_tensor") and "device" in kwargs:
-            device = torch.device(kwargs["device"])
-            if device.type == owner.device.type:
-                host = func(*args, **{**kwargs, "device": "cpu"})
-                return TO_COPY(host, device=device)
-        return func(*args, **kwargs)
-
-
-def _move(
-    owner: FakeCuda, tensor: torch.Tensor, name: str, args: tuple, kwargs: dict
-) -> torch.Tensor | None:
-    """``Tensor.to`` (``.cuda``, ``.cpu``) where the device is involved, through operators
-    (a CPU build's binding asks the missing CUDA device guard first); else ``None``."""
-    device, dtype, non_blocking, copy = _to_arguments(name, args, kwargs)
-    fake = is_fake(tensor)
-    if not fake and (device is None or device.type != owner.device.type):
-        return None
-    if device is None or device.type == tensor.device.type:
-        if not copy and dtype in (None, tensor.dtype):
-            return tensor
-        return TO_COPY(tensor, dtype=dtype or tensor.dtype)
-    return TO_COPY(tensor, dtype=dtype or tensor.dtype, device=device, non_blocking=non_blocking)
-
-
-def _to_arguments(
-    name: str, args: tuple, kwargs: dict
-) -> tuple[torch.device | None, torch.dtype | None, bool, bool]:
-    """The device, dtype, ``non_blocking`` and ``copy`` of a ``Tensor.to`` (``.cuda``,
-    ``.cpu``) call."""
-    device: torch.device | None = None
-    if name != "to":
-        device = torch.device(name if name == "cpu" else "cuda")
-    dtype: torch.dtype | None = None
-    flags: list[bool] = []
-    for value in args:
-        if isinstance(value, bool):
-            flags.append(value)
-        elif isinstance(value, int):
-            device = torch.device("cuda", value)
-        elif isinstance(value, (torch.device, str)):
-            device = torch.device(value)
-        elif isinstance(value, torch.dtype):
-            dtype = value
-        elif isinstance(value, torch.Tensor):
-            device, dtype = value.device, value.dtype
-    non_blocking = bool(kwargs.get("non_blocking", flags[0] if flags else False))
-    copy = bool(kwargs.get("copy", flags[1] if len(flags) > 1 else False))
-    if kwargs.get("device") is not None:
-        device = torch.device(kwargs["device"])
-    if kwargs.get("dtype") is not None:
-        dtype = kwargs["dtype"]
-    return device, dtype, non_blocking, copy
-
-
-def _getitem(tensor: torch.Tensor, key: Any) -> torch.Tensor:
-    """``tensor[key]`` through operators: ints, slices, ``None``, ``...`` and one index
-    tensor (or list)."""
-    keys = key if isinstance(key, tuple) else (key,)
-    explicit = sum(1 for k in keys if k is not None and k is not Ellipsis)
-    out, dim, advanced = tensor, 0, 0
-    for k in keys:
-        if k is Ellipsis:
-            dim += tensor.dim() - explicit
-        elif k is None:
-            out, dim = out.unsqueeze(dim), dim + 1
-        elif isinstance(k, bool):
-            raise NotImplementedError("indexing a fake CUDA tensor with a bool")
-        elif isinstance(k, int):
-            out = out.select(dim, k)
-        elif isinstance(k, slice):
-            start, stop, step = k.indices(out.shape[dim])
-            out, dim = aten.slice.Tensor(out, dim, start, max(start, stop), step), dim + 1
-        else:
-            index = (
-                k if isinstance(k, torch.Tensor) else TO_COPY(torch.tensor(k), device=tensor.device)
-            )
-            advanced += 1
-            if advanced > 1:
-                raise NotImplementedError("indexing a fake CUDA tensor with two index tensors")
-            out = aten.index.Tensor(out, [None] * dim + [index])
-            dim += index.dim() if index.dtype != torch.bool else 1
-    return out
-
-
-def _setitem(tensor: torch.Tensor, key: Any, value: Any) -> None:
-    """``tensor[key] = value`` through operators (keys as for :func:`_getitem`; an index
-    tensor only alone)."""
-    if isinstance(key, (torch.Tensor, list)):
-        index = (
-            key
-            if isinstance(key, torch.Tensor)
-            else TO_COPY(torch.tensor(key), device=tensor.device)
-        )
-        if not isinstance(value, torch.Tensor):
-            value = torch.full((), value, dtype=tensor.dtype, device=tensor.device)
-        aten.index_put_(tensor, [index], value)
-        return
-    view = _getitem(tensor, key)
-    if isinstance(value, torch.Tensor):
-        view.copy_(value)
-    else:
-        view.fill_(value)
-
-
-def _register_stubs() -> None:
-    """Fake kernels for :data:`STUBBED` (the pooled output ``[batch, total_D]``) where
-    FBGEMM has none, once per process: they only ever run on fake tensors."""
-    if _STUBS_REGISTERED:
-        return
-    library = torch.library.Library("fbgemm", "FRAGMENT")
-    for name in STUBBED:
-        if has_fake_kernel(name):  # a CUDA build of FBGEMM has its own
-            continue
-        schema = op_schema(getattr(torch.ops.fbgemm, name.split("::")[1]).default)
-        torch.library.register_fake(name, _pooled_forward(schema), lib=library)
-    _STUBS_REGISTERED.append(library)
-
-
-def _pooled_forward(schema: Any) -> Callable[..., torch.Tensor]:
-    names = [argument.name for argument in schema.arguments]
-
-    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-        bound = {**dict(zip(names, args)), **kwargs}
-        features = bound["D_offsets"].numel() - 1
-        batch = (bound["offsets"].numel() - 1) // max(features, 1)
-        return bound["dev_weights"].new_empty((batch, bound["total_D"]))
-
-    return forward
 
 
 # ------------------------------------------------------------ nested values
