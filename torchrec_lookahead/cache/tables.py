@@ -11,12 +11,14 @@ slots for the lookups), ``begin_step`` with the step's
 ``lookup`` takes the step's slots from that context. Tables of equal row width
 share a slot pool and one oracle (:mod:`~torchrec_lookahead.cache.pools`), so
 planning costs one oracle call per pool and step whatever the number of tables.
+How many slots each table brings, and how a pool grows, is
+:mod:`~torchrec_lookahead.cache.sizing`'s; what the cache did per table is
+counted by :mod:`~torchrec_lookahead.cache.counters`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -29,7 +31,9 @@ from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_lookahead.streams as streams
+from torchrec_lookahead.cache.counters import TableCounters
 from torchrec_lookahead.cache.pools import slot_pools
+from torchrec_lookahead.cache.sizing import TableSlots
 from torchrec_lookahead.cache.table import CacheTable
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
@@ -63,7 +67,8 @@ class CachedTables:
             features are consecutive.
         table_slots: the slots each table brings to its pool.
         table_caps: the most slots each table may bring (``max_cache_rows``; by default
-            its rows): a pool grows up to the sum of its tables' caps.
+            its rows): a pool grows up to the sum of its tables' caps (see
+            :mod:`~torchrec_lookahead.cache.sizing`).
         store: the full tables (and optimizer state) behind the cache.
         optimizer, device, pooling, fbgemm_params: the cache TBE's settings.
         data_type: the tables' data type (one per group, as TorchRec groups a TBE's
@@ -88,13 +93,11 @@ class CachedTables:
         self.names = list(names)
         self.num_rows = list(num_rows)
         self.pools = slot_pools(self.num_rows, dims, optimizer)
-        self.table_slots = list(table_slots)
-        self._caps = list(self.num_rows if table_caps is None else table_caps)
+        self._sizes = TableSlots(self.names, self.num_rows, self.pools, table_slots, table_caps)
         self._optimizer = optimizer
-        self._shares = list(table_slots)  # before any raise to what the window needs
         self.cache = CacheTable(
             self.pools,
-            self._pool_slots(table_slots),
+            self._sizes.per_pool(table_slots),
             feature_tables,
             optimizer,
             store,
@@ -126,10 +129,14 @@ class CachedTables:
         self._dirty = False  # cache rows updated since the last write-back
         self._logged: set[str] = set()
         self._pending_growth: list[int] | None = None  # pools' slots for the cache to grow to
-        self._counts = {k: np.zeros(len(names), dtype=np.int64) for k in _COUNTERS}
-        self._steps = 0
+        self._counters = TableCounters(len(names))
         # step -> (distinct ids, misses) per table: one small entry per step trained
-        self.step_counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.step_counts = self._counters.step_counts
+
+    @property
+    def table_slots(self) -> list[int]:
+        """Slots each table brings to its pool."""
+        return self._sizes.slots
 
     @property
     def cache_rows(self) -> list[int]:
@@ -139,14 +146,7 @@ class CachedTables:
     @property
     def metrics(self) -> list[CacheMetrics]:
         """Counters per table (a table's misses are its rows fetched into its pool)."""
-        return [
-            CacheMetrics(
-                steps=self._steps,
-                cache_rows=self.table_slots[t],
-                **{k: int(v[t]) for k, v in self._counts.items()},
-            )
-            for t in range(len(self.names))
-        ]
+        return self._counters.metrics(self.table_slots)
 
     @property
     def sized(self) -> bool:
@@ -181,7 +181,8 @@ class CachedTables:
         shards, hot ids split off), its whole batch does not. The sizing and
         the pools' planners travel with the prepared group and take effect at
         ``enter``. So does a growth: a pool whose window needs more slots than it
-        has grows (see :meth:`_growth`), and only a pool over its cap refuses.
+        has grows (see :meth:`~torchrec_lookahead.cache.sizing.TableSlots.growth`),
+        and only a pool over its cap refuses.
         """
         if self.cache.device.type != "cpu":  # the CPU pools variable batches padded, any optimizer
             check_variable_batch_optimizer(features, self._optimizer, f"step {step}")
@@ -205,14 +206,19 @@ class CachedTables:
             if bound:
                 extra = np.asarray([bound.get(name, 0) for name in self.names], dtype=np.int64)
                 most = np.maximum(lookups, extra)
-            table_slots = self._sized_for(most)
+            table_slots = self._sizes.sized_for(most, self._window.prefetch_distance)
             oracles = [
-                self._planner(slots, p) for p, slots in enumerate(self._pool_slots(table_slots))
+                self._planner(slots, p) for p, slots in enumerate(self._sizes.per_pool(table_slots))
             ]
             sizing = (table_slots, oracles)
         sized = [oracle.prepare_sized(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
         batches = [batch for batch, _ in sized]
-        growth = self._growth(self._pool_slots(table_slots), [n for _, n in sized], step)
+        growth = self._sizes.growth(
+            self._sizes.per_pool(table_slots),
+            [n for _, n in sized],
+            step,
+            self._window.prefetch_distance,
+        )
         return PreparedGroup(self, step, lookups, batches, order, sizing, growth)
 
     def enter(self, prepared: PreparedGroup) -> StepPlan | None:
@@ -225,10 +231,7 @@ class CachedTables:
         distinct = np.concatenate(
             [pool.table_counts(batch.unique) for pool, batch in zip(self.pools, prepared.batches)]
         )
-        distinct = distinct[self._table_order]
-        self._counts["lookups"] += prepared.lookups
-        self._counts["unique_ids"] += distinct
-        self.step_counts[prepared.step] = (distinct, np.zeros_like(distinct))
+        self._counters.entered(prepared.step, prepared.lookups, distinct[self._table_order])
         if self.cache.store.reads_ahead:
             self._read_ahead(prepared)
         plans = [oracle.push(batch) for oracle, batch in zip(self._planners, prepared.batches)]
@@ -280,73 +283,17 @@ class CachedTables:
         assert self._oracles is not None, "no batch has entered the window"
         return self._oracles
 
-    def _pool_slots(self, table_slots: Sequence[int]) -> list[int]:
-        return [sum(table_slots[t] for t in pool.tables) for pool in self.pools]
-
-    def _sized_for(self, lookups: np.ndarray) -> list[int]:
-        """Each table's slots: its share, or what ``d + 1`` batches like this one can touch.
-
-        ``lookups`` are this batch's ids per table: ``d + 1`` batches of as many
-        ids touch at most ``d + 1`` times that many rows (a bound for batches of
-        a fixed shape; batches with more ids may still need more).
-        """
-        d = self._window.prefetch_distance
-        return [
-            max(share, min(cap, (d + 1) * int(count)))
-            for share, cap, count in zip(self._shares, self._caps, lookups)
-        ]
-
-    def _growth(
-        self, slots: list[int], needed: list[int], step: int
-    ) -> list[tuple[int, int]] | None:
-        """Each pool's slots to grow to, and what its window needs, if a window needs
-        more than ``slots``; ``ValueError`` before anything changes if over a pool's cap.
-
-        A pool grows to ``GROWTH`` times its slots, or to what is needed if more,
-        within its cap: geometric growth, so a stream whose windows keep widening
-        rebuilds the cache a few times (each rebuild copies the cache and waits for
-        the moves in flight), not once per new maximum.
-        """
-        if all(n <= have for n, have in zip(needed, slots)):
-            return None
-        growth = []
-        for p, (have, n) in enumerate(zip(slots, needed)):
-            cap = sum(self._caps[t] for t in self.pools[p].tables)
-            if n > cap:
-                raise self._over_cap(p, n, cap, step)
-            growth.append((have if n <= have else min(cap, max(n, math.ceil(GROWTH * have))), n))
-        return growth
-
-    def _over_cap(self, pool: int, needed: int, cap: int, step: int) -> ValueError:
-        tables = [self.names[t] for t in self.pools[pool].tables]
-        capped = any(self._caps[t] < self.num_rows[t] for t in self.pools[pool].tables)
-        why = (
-            "max_cache_rows"
-            if capped
-            else "all its rows; with planning_workers > 1 each hash partition needs "
-            "its own share of them: plan with fewer workers"
-        )
-        d = self._window.prefetch_distance
-        return ValueError(
-            f"step {step}: steps {max(step - d, 0)}..{step} use {needed} distinct rows of "
-            f"tables {tables}, which must be resident together (prefetch_distance={d}), "
-            f"but their cache may hold at most {cap} slots ({why}); a capacity of at "
-            f"least {needed} is needed"
-        )
-
     def _grow(self, growth: list[tuple[int, int]], step: int) -> None:
         """A batch whose window needs more slots enters: the pools' planners grow now,
         the cache before the first plan that may use the new slots (``_planned``)."""
-        before = self._pool_slots(self.table_slots)
+        before = self._sizes.per_pool(self.table_slots)
         for p, ((slots, needed), have) in enumerate(zip(growth, before)):
             if slots == have:
                 continue
             self._planners[p].grow(slots)
             tables = list(self.pools[p].tables)
-            extra = _spread(slots - have, [self.table_slots[t] for t in tables])
-            for t, more in zip(tables, extra):
-                self.table_slots[t] += more
-            self._counts["growths"][tables[int(np.argmax(extra))]] += 1
+            extra = self._sizes.add(p, slots - have)
+            self._counters.grown(tables[int(np.argmax(extra))])
             d = self._window.prefetch_distance
             logger.info(
                 "tables %s: cache grown from %d to %d rows at step %d (steps %d..%d use "
@@ -359,12 +306,11 @@ class CachedTables:
                 step,
                 needed,
             )
-        self._shares = list(self.table_slots)  # a new window starts at the grown size
-        self._pending_growth = self._pool_slots(self.table_slots)
+        self._pending_growth = self._sizes.per_pool(self.table_slots)
 
     def _install(self, table_slots: list[int], oracles: list[CachePlanner[Any]]) -> None:
         """A window's first batch enters: the pools take their sizes, the planners their place."""
-        for t, (share, slots) in enumerate(zip(self._shares, table_slots)):
+        for t, (share, slots) in enumerate(zip(self._sizes.shares, table_slots)):
             if slots > share and self.names[t] not in self._logged:
                 self._logged.add(self.names[t])
                 logger.info(
@@ -375,11 +321,11 @@ class CachedTables:
                     slots,
                     self._window.prefetch_distance + 1,
                 )
-        self.table_slots = table_slots
+        self._sizes.slots = table_slots
         store = self.cache.store
         self._row_bytes = np.array([store.bytes_per_row(t) for t in range(len(self.names))])
-        if self._pool_slots(table_slots) != self.cache.slots:
-            self.cache.resize(self._pool_slots(table_slots))
+        if self._sizes.per_pool(table_slots) != self.cache.slots:
+            self.cache.resize(self._sizes.per_pool(table_slots))
         self._oracles = oracles
 
     def _step_slots(self, context: StepContext) -> torch.Tensor:
@@ -440,16 +386,12 @@ class CachedTables:
         evicted = np.concatenate(
             [pool.table_counts(plan.evict_ids) for pool, plan in zip(self.pools, ready)]
         )[order]
-        self.step_counts[step][1][:] = fetched
-        self._counts["misses"] += fetched
-        self._counts["rows_written_back"] += evicted
-        self._counts["bytes_moved"] += (fetched + evicted) * self._row_bytes
+        self._counters.planned(step, fetched, evicted, self._row_bytes)
         moves: StepMoves = [
             partial(self.cache.apply, p, plan)
             for p, plan in enumerate(ready)
             if len(plan.fetch_ids) or len(plan.evict_ids)
         ]
-        self._steps += 1
         growths: StepMoves = []
         if self._pending_growth is not None:  # this plan may use the new slots
             growths.append(partial(self.cache.grow, self._pending_growth))
@@ -480,30 +422,6 @@ def _merged(planned: list[StepPlan | None]) -> StepPlan | None:
     for step in steps:
         merged.merge(step)
     return merged
-
-
-_COUNTERS = (
-    "lookups",
-    "unique_ids",
-    "misses",
-    "rows_written_back",
-    "bytes_moved",
-    "growths",
-)
-# How much a pool grows when a window needs more slots than it has (at least what is
-# needed): each growth costs a rebuild, bounded to a few; the cache holds at most half
-# again what the widest window needed (2x would double it, 1.25x grow twice as often).
-GROWTH = 1.5
-
-
-def _spread(extra: int, shares: list[int]) -> list[int]:
-    """``extra`` slots split over tables in proportion to their ``shares`` (the remainder to
-    the largest first): what each table is counted as bringing to its grown pool."""
-    total = sum(shares)
-    split = [extra * share // total for share in shares]
-    for t in sorted(range(len(shares)), key=lambda t: -shares[t])[: extra - sum(split)]:
-        split[t] += 1
-    return split
 
 
 def _positions(edges: np.ndarray, features: np.ndarray) -> slice | np.ndarray:

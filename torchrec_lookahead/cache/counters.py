@@ -1,0 +1,68 @@
+"""What a group's cache did, per table: the counts behind its :class:`CacheMetrics`.
+
+:class:`~torchrec_lookahead.cache.tables.CachedTables` counts each batch as it
+enters the window (ids looked up, distinct ids), each step as its plan is made
+(misses, that is rows fetched; rows written back; bytes moved both ways) and
+each growth of a pool (counted to the table that took the most of it). Each
+step's distinct ids and misses are kept apart too, for the pipeline's per-step
+report, until the next window starts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchrec_lookahead.metrics import CacheMetrics
+
+__all__ = ["COUNTERS", "TableCounters"]
+
+COUNTERS = (
+    "lookups",
+    "unique_ids",
+    "misses",
+    "rows_written_back",
+    "bytes_moved",
+    "growths",
+)
+
+
+class TableCounters:
+    """The counters of a group's ``tables`` tables, and its steps planned."""
+
+    def __init__(self, tables: int) -> None:
+        self.totals = {k: np.zeros(tables, dtype=np.int64) for k in COUNTERS}
+        self.steps = 0
+        # step -> (distinct ids, misses) per table: one small entry per step trained
+        self.step_counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def entered(self, step: int, lookups: np.ndarray, distinct: np.ndarray) -> None:
+        """The batch of ``step`` entered the window: its ids and distinct ids per table."""
+        self.totals["lookups"] += lookups
+        self.totals["unique_ids"] += distinct
+        self.step_counts[step] = (distinct, np.zeros_like(distinct))
+
+    def planned(
+        self, step: int, fetched: np.ndarray, evicted: np.ndarray, row_bytes: np.ndarray
+    ) -> None:
+        """The plan of ``step`` is made: the rows it fetches and evicts per table, each
+        table's rows ``row_bytes`` wide (with their optimizer state)."""
+        self.step_counts[step][1][:] = fetched
+        self.totals["misses"] += fetched
+        self.totals["rows_written_back"] += evicted
+        self.totals["bytes_moved"] += (fetched + evicted) * row_bytes
+        self.steps += 1
+
+    def grown(self, table: int) -> None:
+        """A pool grew; ``table`` took the most of it."""
+        self.totals["growths"][table] += 1
+
+    def metrics(self, table_slots: list[int]) -> list[CacheMetrics]:
+        """Counters per table (a table's misses are its rows fetched into its pool)."""
+        return [
+            CacheMetrics(
+                steps=self.steps,
+                cache_rows=table_slots[t],
+                **{k: int(v[t]) for k, v in self.totals.items()},
+            )
+            for t in range(len(table_slots))
+        ]
