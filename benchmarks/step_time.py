@@ -1,16 +1,29 @@
-"""Step time: DLRM with lookahead-cached tables against the same DLRM with every row resident.
+"""Step time: a model with lookahead-cached tables against the same model with every row resident.
 
-Both models start from the same weights, train on the same Criteo-shaped
-batches (26 tables of Criteo Kaggle's sizes times --scale, Zipf ids) with
+Both models start from the same weights, train on the same batches with
 fused row-wise Adagrad on this machine's CPU, and must end with the same
-weights (checked). Two set-ups:
+weights (checked). Two models (``--model``):
+
+* ``dlrm`` (default): TorchRec's DLRM on Criteo-shaped batches (26 tables of
+  Criteo Kaggle's sizes times --scale, Zipf ids), its tables in an
+  ``EmbeddingBagCollection``;
+* ``bert4rec``: a BERT4Rec-like model on sequence batches (``SequenceData``:
+  one item table of --items rows, each sample a history of --history-lengths
+  items of Zipf popularity), its item table in an ``EmbeddingCollection``:
+  each history's last item masked, a transformer encoder layer over the
+  rows and their positions, the output at the mask scored against the
+  batch's last items (an in-batch softmax over the table's own rows).
+
+Two set-ups:
 
 * ``--world-size 0`` (default): unsharded; the all-resident model keeps its
-  tables in one fused TBE (``FullyResidentEmbeddingBagCollection``).
+  tables in one fused TBE (``FullyResidentEmbeddingBagCollection``, or
+  ``FullyResidentEmbeddingCollection`` for the item table).
 * ``--world-size 1`` or ``2``: ``DistributedModelParallel`` on spawned gloo
-  ranks; the baseline is plain TorchRec (``EmbeddingBagCollection``, default
-  sharder, ``TrainPipelineSparseDist``), the lookahead model the canonical
-  use (``docs/design.md``). Each rank has its own batches.
+  ranks; the baseline is plain TorchRec (``EmbeddingBagCollection`` or
+  ``EmbeddingCollection``, default sharder, ``TrainPipelineSparseDist``), the
+  lookahead model the canonical use (``docs/design.md``). Each rank has its
+  own batches.
 
 Both give every table --cache-load-factor of its rows (raised at the first
 batch where the window needs more). The lookahead step time splits into
@@ -24,31 +37,65 @@ steps on its thread, is reported per step too. Writes ``report.json`` and
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import dlrm_train, machine
-from torchrec.models.dlrm import DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+import torch.nn.functional as F
+from common import SequenceData, dlrm_train, machine
+from torch import nn
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from tqdm import tqdm
 
-from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
+from torchrec_lookahead import (
+    LookaheadEmbeddingBagCollection,
+    LookaheadEmbeddingBagCollectionSharder,
+    LookaheadEmbeddingCollection,
+    LookaheadEmbeddingCollectionSharder,
+    LookaheadTrainPipeline,
+)
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
-from torchrec_lookahead.testing.resident import FullyResidentEmbeddingBagCollection
+from torchrec_lookahead.testing.resident import (
+    FullyResidentEmbeddingBagCollection,
+    FullyResidentEmbeddingCollection,
+)
+
+# ----------------------------------------------------------------- models
+
+HISTORY = "history"  # the BERT4Rec-like model's one feature: each sample's items
 
 
-def table_configs(args: argparse.Namespace, data: SyntheticCriteo) -> list[EmbeddingBagConfig]:
+def rank_data(args: argparse.Namespace, rank: int) -> SyntheticCriteo:
+    return SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed + rank)
+
+
+def rank_histories(args: argparse.Namespace, rank: int) -> SequenceData:
+    return SequenceData(args.items, args.zipf, tuple(args.history_lengths), args.seed + rank)
+
+
+def dlrm_tables(args: argparse.Namespace) -> list[BaseEmbeddingConfig]:
+    data = rank_data(args, 0)
     return [
         EmbeddingBagConfig(
             name=f"t_{name}", embedding_dim=args.dim, num_embeddings=rows, feature_names=[name]
@@ -57,8 +104,131 @@ def table_configs(args: argparse.Namespace, data: SyntheticCriteo) -> list[Embed
     ]
 
 
-def rank_data(args: argparse.Namespace, rank: int) -> SyntheticCriteo:
-    return SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed + rank)
+def dlrm_batches(args: argparse.Namespace, rank: int) -> list[Batch]:
+    data = rank_data(args, rank)
+    return [criteo_batch(data, s, args.batch_size) for s in range(args.steps)]
+
+
+def item_tables(args: argparse.Namespace) -> list[BaseEmbeddingConfig]:
+    return [
+        EmbeddingConfig(
+            name="item", embedding_dim=args.dim, num_embeddings=args.items, feature_names=[HISTORY]
+        )
+    ]
+
+
+def history_batches(args: argparse.Namespace, rank: int) -> list[Batch]:
+    """The rank's sequence batches: the histories, no dense features (labels unused)."""
+    data, size, out = rank_histories(args, rank), args.batch_size, []
+    for step in range(args.steps):
+        lengths, ids = data.batch(step, size)
+        features = KeyedJaggedTensor.from_lengths_sync(
+            keys=[HISTORY], values=torch.from_numpy(ids), lengths=torch.from_numpy(lengths)
+        )
+        out.append(Batch(torch.zeros(size, 0), features, torch.zeros(size, dtype=torch.int64)))
+    return out
+
+
+def cloze(
+    history: JaggedTensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sample's rows padded to ``[batch, max_len, dim]``, where the padding is and
+    where its last item is (``[batch, max_len]`` each), and each sample's class in the
+    in-batch softmax (its index). A leaf of TorchRec's pipeline's trace of the model
+    (``torch.fx.wrap``): its shapes come from the data."""
+    rows = history.to_padded_dense(desired_length=max_len)
+    lengths = history.lengths()
+    place = torch.arange(max_len)[None, :]
+    last = place == (lengths - 1)[:, None]
+    return rows, place >= lengths[:, None], last, torch.arange(len(lengths))
+
+
+torch.fx.wrap("cloze")
+
+
+class Bert4RecLike(nn.Module):
+    """BERT4Rec's cloze task on the last item: each history's last item replaced by a
+    learned mask, the rows plus learned positions through a transformer encoder layer
+    (both ways, no dropout), and the output at the mask scored against the last items of
+    the batch's samples (an in-batch softmax over the table's own rows, as large catalogs
+    train it). Called as TorchRec's pipelines call a model: ``loss, logits = model(batch)``."""
+
+    def __init__(self, sequence: nn.Module, dim: int, max_len: int, seed: int) -> None:
+        super().__init__()
+        self.sequence = sequence
+        self.max_len = max_len
+        torch.manual_seed(seed)
+        self.positions = nn.Parameter(0.02 * torch.randn(max_len, dim))
+        self.mask = nn.Parameter(0.02 * torch.randn(dim))
+        self.encoder = nn.TransformerEncoderLayer(dim, 2, 4 * dim, 0.0, batch_first=True)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        history = self.sequence(batch.sparse_features)[HISTORY]
+        rows, padding, last, classes = cloze(history, self.max_len)
+        inputs = torch.where(last.unsqueeze(2), self.mask, rows) + self.positions
+        hidden = self.encoder(inputs, src_key_padding_mask=padding)
+        logits = hidden[last] @ rows[last].T
+        return F.cross_entropy(logits, classes), logits.detach()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a ``--model`` trains: its tables and batches, its model around an embedding
+    collection, and that collection's classes (plain TorchRec, lookahead, all resident)
+    and sharders."""
+
+    title: str
+    tables: Callable[[argparse.Namespace], list[BaseEmbeddingConfig]]
+    batches: Callable[[argparse.Namespace, int], list[Batch]]
+    model: Callable[[nn.Module, argparse.Namespace], nn.Module]
+    plain: type[nn.Module]
+    lookahead: type[nn.Module]
+    resident: type[nn.Module]
+    plain_sharder: Callable[[], Any]
+    lookahead_sharder: Callable[[], Any]
+    prefix: str  # of the tables' keys in the collection's state_dict
+    batch_size: int  # the defaults of --batch-size (per rank) and --dim
+    dim: int
+
+
+WORKLOADS = {
+    "dlrm": Workload(
+        "DLRM",
+        dlrm_tables,
+        dlrm_batches,
+        lambda collection, args: dlrm_train(collection, args.dim, args.seed),
+        EmbeddingBagCollection,
+        LookaheadEmbeddingBagCollection,
+        FullyResidentEmbeddingBagCollection,
+        EmbeddingBagCollectionSharder,
+        LookaheadEmbeddingBagCollectionSharder,
+        "embedding_bags",
+        batch_size=2048,
+        dim=16,
+    ),
+    "bert4rec": Workload(
+        "BERT4Rec-like",
+        item_tables,
+        history_batches,
+        lambda collection, args: Bert4RecLike(
+            collection, args.dim, args.history_lengths[1], args.seed
+        ),
+        EmbeddingCollection,
+        LookaheadEmbeddingCollection,
+        FullyResidentEmbeddingCollection,
+        EmbeddingCollectionSharder,
+        LookaheadEmbeddingCollectionSharder,
+        "embeddings",
+        batch_size=128,
+        dim=64,
+    ),
+}
+
+
+def dense_parameters(model: nn.Module, collection: nn.Module) -> list[nn.Parameter]:
+    """The model's parameters but the embedding collection's, in the model's order."""
+    tables = {id(p) for p in collection.parameters()}
+    return [p for p in model.parameters() if id(p) not in tables]
 
 
 def timed_training(pipeline_or_step, batches: list, desc: str, timings=None):
@@ -90,25 +260,24 @@ def drain(pipeline, it) -> None:
 
 
 def run_unsharded(args: argparse.Namespace) -> dict:
-    data = rank_data(args, 0)
-    batches = [criteo_batch(data, s, args.batch_size) for s in range(args.steps)]
-    tables = table_configs(args, data)
+    work = WORKLOADS[args.model]
+    batches = work.batches(args, 0)
+    tables = work.tables(args)
     torch.manual_seed(args.seed)
-    ebc = LookaheadEmbeddingBagCollection(tables, cache_load_factor=args.cache_load_factor)
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": args.embedding_lr})
-    cached = dlrm_train(ebc, args.dim, args.seed)
-    resident = dlrm_train(
-        FullyResidentEmbeddingBagCollection(ebc, ebc.fused_config()), args.dim, args.seed
-    )
-    for part in ("dense_arch", "over_arch"):
-        state = copy.deepcopy(getattr(cached.model, part).state_dict())
-        getattr(resident.model, part).load_state_dict(state)
+    collection = work.lookahead(tables, cache_load_factor=args.cache_load_factor)
+    apply_optimizer_in_backward(RowWiseAdagrad, collection.parameters(), {"lr": args.embedding_lr})
+    cached = work.model(collection, args)
+    resident_collection = work.resident(collection, collection.fused_config())
+    resident = work.model(resident_collection, args)
+    for mine, theirs in zip(
+        dense_parameters(cached, collection), dense_parameters(resident, resident_collection)
+    ):
+        theirs.data.copy_(mine.data)
 
-    def dense(model: DLRMTrain) -> torch.optim.Optimizer:
-        params = [*model.model.dense_arch.parameters(), *model.model.over_arch.parameters()]
-        return torch.optim.SGD(params, lr=args.dense_lr)
+    def dense(model: nn.Module, collection: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(dense_parameters(model, collection), lr=args.dense_lr)
 
-    optimizer = dense(resident)
+    optimizer = dense(resident, resident_collection)
 
     def resident_step(it) -> None:
         batch = next(it)
@@ -120,7 +289,7 @@ def run_unsharded(args: argparse.Namespace) -> dict:
     base_times, _ = timed_training(resident_step, batches, "all resident")
     pipeline = LookaheadTrainPipeline(
         cached,
-        dense(cached),
+        dense(cached, collection),
         torch.device("cpu"),
         lookahead=args.lookahead,
         prefetch_distance=args.prefetch_distance,
@@ -131,14 +300,15 @@ def run_unsharded(args: argparse.Namespace) -> dict:
         lambda _: pipeline.progress(it), batches, "lookahead", pipeline.timings
     )
     drain(pipeline, it)
-    state = ebc.state_dict()
-    tbe = resident.model.sparse_arch.embedding_bag_collection.tbe
+    state = collection.state_dict()
     same = all(
-        torch.equal(state[f"embedding_bags.{c.name}.weight"], w)
-        for c, w in zip(ebc.embedding_bag_configs(), tbe.split_embedding_weights())
+        torch.equal(state[f"{work.prefix}.{t.name}.weight"], w)
+        for t, w in zip(tables, resident_collection.tbe.split_embedding_weights(), strict=True)
     ) and all(
         torch.equal(a, b)
-        for a, b in zip(cached.model.over_arch.parameters(), resident.model.over_arch.parameters())
+        for a, b in zip(
+            dense_parameters(cached, collection), dense_parameters(resident, resident_collection)
+        )
     )
     return summarise(
         args,
@@ -147,8 +317,8 @@ def run_unsharded(args: argparse.Namespace) -> dict:
         parts,
         pipeline,
         same,
-        sum(ebc.cached_groups[0].cache_rows),
-        sum(data.num_embeddings),
+        sum(collection.cached_groups[0].cache_rows),
+        sum(t.num_embeddings for t in tables),
     )
 
 
@@ -156,7 +326,6 @@ def run_unsharded(args: argparse.Namespace) -> dict:
 
 
 def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> None:
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import (
         EmbeddingShardingPlanner,
@@ -164,23 +333,20 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
         Topology,
     )
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    from torchrec_lookahead import LookaheadEmbeddingBagCollectionSharder
 
     ws = args.world_size
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ws))
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=ws)
-    data = rank_data(args, rank)
-    tables = table_configs(args, data)
+    work = WORKLOADS[args.model]
+    tables = work.tables(args)
 
-    def build(ebc, sharders):
-        model = dlrm_train(ebc, args.dim, args.seed)
+    def build(collection, sharders):
+        model = work.model(collection, args)
         apply_optimizer_in_backward(
-            RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": args.embedding_lr}
+            RowWiseAdagrad, collection.parameters(), {"lr": args.embedding_lr}
         )
         # Both models get the same plan: table-wise, fused. (Left alone, TorchRec's
         # planner makes small tables data-parallel, trained by the dense optimizer.)
@@ -204,14 +370,12 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
         return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
     meta = torch.device("meta")
-    base, base_opt = build(
-        EmbeddingBagCollection(tables, device=meta), [EmbeddingBagCollectionSharder()]
-    )
+    base, base_opt = build(work.plain(tables, device=meta), [work.plain_sharder()])
     clf = args.cache_load_factor
-    look_ebc = LookaheadEmbeddingBagCollection(tables, device=meta, cache_load_factor=clf)
-    look, look_opt = build(look_ebc, [LookaheadEmbeddingBagCollectionSharder()])
+    look_collection = work.lookahead(tables, device=meta, cache_load_factor=clf)
+    look, look_opt = build(look_collection, [work.lookahead_sharder()])
     look.load_state_dict(base.state_dict())
-    batches = [criteo_batch(data, s, args.batch_size) for s in range(args.steps)]
+    batches = work.batches(args, rank)
 
     base_pipeline = TrainPipelineSparseDist(base, base_opt, torch.device("cpu"))
     it = iter(batches)
@@ -235,7 +399,14 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
     sharded = [m for m in look.modules() if hasattr(m, "cached_groups")][0]
     rank_cache_rows = sum(sum(g.cache_rows) for g in sharded.cached_groups)
     report = summarise(
-        args, base_times, times, parts, pipeline, same, rank_cache_rows, sum(data.num_embeddings)
+        args,
+        base_times,
+        times,
+        parts,
+        pipeline,
+        same,
+        rank_cache_rows,
+        sum(t.num_embeddings for t in tables),
     )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()  # no rank shuts down while another's collectives are in flight
@@ -334,7 +505,7 @@ def plot(report: dict, path: Path) -> None:
     share = report["cache_rows"] / report["rows"]
     where = "unsharded" if cfg["world_size"] == 0 else f"DMP world size {cfg['world_size']}"
     ax.set_title(
-        f"DLRM, {where}, cache {share:.1%} of {report['rows']:,} rows, "
+        f"{WORKLOADS[cfg['model']].title}, {where}, cache {share:.1%} of {report['rows']:,} rows, "
         f"L={cfg['lookahead']}, batch {cfg['batch_size']}",
         fontsize=10,
     )
@@ -348,12 +519,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/step_time"))
     parser.add_argument("--world-size", type=int, default=0, help="0: unsharded; 1, 2: DMP")
-    parser.add_argument("--scale", type=float, default=0.01)
+    parser.add_argument("--model", choices=sorted(WORKLOADS), default="dlrm")
+    parser.add_argument("--scale", type=float, default=0.01, help="dlrm: table size factor")
+    parser.add_argument("--items", type=int, default=1_000_000, help="bert4rec: item rows")
+    parser.add_argument(
+        "--history-lengths",
+        type=int,
+        nargs=2,
+        default=[50, 200],
+        metavar=("LOW", "HIGH"),
+        help="bert4rec: each history's length, uniform in [LOW, HIGH]",
+    )
     parser.add_argument("--zipf", type=float, default=1.1)
-    parser.add_argument("--batch-size", type=int, default=2048, help="per rank")
+    parser.add_argument("--batch-size", type=int, help="per rank (dlrm 2048, bert4rec 128)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--dim", type=int, help="dlrm 16, bert4rec 64")
     parser.add_argument("--cache-load-factor", type=float, default=0.05)
     parser.add_argument("--lookahead", type=int, default=16)
     parser.add_argument("--prefetch-distance", type=int, default=1)
@@ -368,6 +549,9 @@ def main() -> None:
         help="the lookahead stage on its thread (the default) or inline",
     )
     args = parser.parse_args()
+    work = WORKLOADS[args.model]
+    args.batch_size = args.batch_size or work.batch_size
+    args.dim = args.dim or work.dim
     if args.warmup >= args.steps:
         parser.error("--warmup must be smaller than --steps")
 
@@ -386,8 +570,8 @@ def main() -> None:
     baseline = "all resident" if args.world_size == 0 else "plain TorchRec"
     where = "unsharded" if args.world_size == 0 else f"DMP world size {args.world_size}, rank 0"
     print(
-        f"\nDLRM {where}: {report['rows']:,} rows, cache {report['cache_rows']:,} rows, batch "
-        f"{args.batch_size}, L={args.lookahead}, d={args.prefetch_distance}, "
+        f"\n{work.title} {where}: {report['rows']:,} rows, cache {report['cache_rows']:,} "
+        f"rows, batch {args.batch_size}, L={args.lookahead}, d={args.prefetch_distance}, "
         f"{report['measured_steps']} steps after {args.warmup} warm-up"
     )
     header = ["run", "step ms"] + [label for _, label in PARTS]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks.common import SequenceData
+from planners import LookaheadCacheStatistics
 from tests.models import needs_store_buffers
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.metrics import EMBEDDING_KINDS
@@ -38,11 +39,9 @@ def widest_window(stream: list[np.ndarray], d: int) -> int:
     )
 
 
-def distinct_per_step(data: SyntheticCriteo, batch_size: int, steps: int) -> int:
+def distinct_per_step(streams: list[list[np.ndarray]]) -> int:
     """Distinct ids per table and step, summed: what the cache counts as unique ids."""
-    return sum(
-        len(np.unique(ids)) for s in range(steps) for ids in data.batch(s, batch_size).values
-    )
+    return sum(len(np.unique(ids)) for stream in streams for ids in stream)
 
 
 def test_oracle_report_writes_json_and_plot(tmp_path: Path) -> None:
@@ -206,14 +205,16 @@ def test_step_time_report_compares_lookahead_with_all_resident(tmp_path: Path) -
     assert "all resident" in out and "same final weights: True" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["same_weights"] is True
-    check_step_time(report, out, SyntheticCriteo(scale=0.001, zipf_exponent=1.1, seed=0))
+    data = SyntheticCriteo(scale=0.001, zipf_exponent=1.1, seed=0)
+    check_step_time(report, out, data.table_streams(64, 12), sum(data.num_embeddings))
     assert (tmp_path / "step_time.png").stat().st_size > 0
 
 
-def check_step_time(report: dict, out: str, data: SyntheticCriteo) -> None:
-    """A step-time report of 12 steps of 64 (2 warm-up, one repeat) against its batches."""
+def check_step_time(report: dict, out: str, streams: list[list[np.ndarray]], rows: int) -> None:
+    """A step-time report of 12 steps (2 warm-up, one repeat) against its batches: per
+    table, the ids of each step (rank 0's under DMP)."""
     look = report["lookahead"]
-    assert report["measured_steps"] == 12 - 2 and report["rows"] == sum(data.num_embeddings)
+    assert report["measured_steps"] == 12 - 2 and report["rows"] == rows
     assert report["ratio"] == pytest.approx(look["step_ms"] / report["baseline"]["step_ms"])
     assert report["ratios"] == [report["ratio"]]
     parts = [
@@ -226,7 +227,7 @@ def check_step_time(report: dict, out: str, data: SyntheticCriteo) -> None:
     # Every distinct id of a table's step is a hit or a fetched row.
     fetched = look["rows_fetched_per_step"] * 12
     assert fetched == pytest.approx(round(fetched))
-    assert look["hit_rate"] == pytest.approx(1 - fetched / distinct_per_step(data, 64, 12))
+    assert look["hit_rate"] == pytest.approx(1 - fetched / distinct_per_step(streams))
     assert f"ratio {report['ratio']:.2f}x" in out and f"hit rate {look['hit_rate']:.3f}" in out
 
 
@@ -253,8 +254,54 @@ def test_step_time_under_dmp_compares_lookahead_with_plain_torchrec(tmp_path: Pa
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["same_weights"] is True and len(report["ranks"]) == 1
     assert report["cache_rows"] == report["ranks"][0]["cache_rows"]
-    check_step_time(report, out, SyntheticCriteo(scale=0.001, zipf_exponent=1.1, seed=0))
+    data = SyntheticCriteo(scale=0.001, zipf_exponent=1.1, seed=0)
+    check_step_time(report, out, data.table_streams(64, 12), sum(data.num_embeddings))
     assert report["lookahead"]["background_input_dist_ms"] > 0  # the stage distributed input
+
+
+@pytest.mark.parametrize("world_size", [0, 1])
+def test_step_time_of_the_bert4rec_like_model_on_sequence_batches(
+    tmp_path: Path, world_size: int
+) -> None:
+    """``--model bert4rec``: the item table's sequence collection against the all-resident
+    TBE (unsharded) or plain TorchRec's ``EmbeddingCollection`` (DMP); the same final
+    weights, the hit rate of the regenerated histories, and the cache the module sizes
+    (the planner's statistics give the same size)."""
+    out = benchmark(
+        "step_time",
+        tmp_path,
+        "--model",
+        "bert4rec",
+        "--world-size",
+        str(world_size),
+        "--items",
+        "5000",
+        "--history-lengths",
+        "10",
+        "30",
+        "--batch-size",
+        "16",
+        "--dim",
+        "8",
+        "--steps",
+        "12",
+        "--warmup",
+        "2",
+        "--lookahead",
+        "4",
+        "--repeats",
+        "1",
+    )
+    baseline = "plain TorchRec" if world_size else "all resident"
+    assert "BERT4Rec-like" in out and baseline in out and "same final weights: True" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["same_weights"] is True
+    stream = SequenceData(5000, 1.1, (10, 30), seed=0).stream(16, 12)
+    check_step_time(report, out, [stream], 5000)
+    # The first batch raises the 5% share to what two batches of as many ids can touch.
+    assert report["cache_rows"] == max(250, 2 * len(stream[0]))
+    assert report["cache_rows"] == LookaheadCacheStatistics(stream, 5000, 4).capacity(0.05)
+    assert (tmp_path / "step_time.png").stat().st_size > 0
 
 
 def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> None:
