@@ -172,7 +172,7 @@ def test_a_disk_store_is_refused_before_any_file_where_fbgemms_tbe_cannot_take_i
     from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-    import torchrec_lookahead.embedding.sharded as sharded
+    import torchrec_lookahead.embedding.cache_group as cache_group
     from torchrec_lookahead import (
         LookaheadEmbeddingBagCollection,
         LookaheadEmbeddingBagCollectionSharder,
@@ -190,7 +190,7 @@ def test_a_disk_store_is_refused_before_any_file_where_fbgemms_tbe_cannot_take_i
         module, [sharder]
     )
     before = sorted(tmp_path.rglob("*"))
-    monkeypatch.setattr(sharded, "TBE_TAKES_HOST_BUFFERS", False)
+    monkeypatch.setattr(cache_group, "TBE_TAKES_HOST_BUFFERS", False)
     with pytest.raises(ValueError, match="needs fbgemm_gpu 1.8 or newer"):
         sharder.shard(module, plan.plan[""], ShardingEnv(world_size=1, rank=0, pg=None))
     assert sorted(tmp_path.rglob("*")) == before

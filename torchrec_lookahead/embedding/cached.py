@@ -30,9 +30,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead._compat import in_backward_optimizers
 from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
 from torchrec_lookahead.checks import no_fused_optimizer, not_sharded
+from torchrec_lookahead.embedding.cache_group import GroupTable, build_cache_group, check_disk_store
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.store.files import StoreFiles
-from torchrec_lookahead.store.stores import HostStore, MmapStore
 from torchrec_lookahead.tbe import check_trained
 from torchrec_lookahead.types import CacheSizing, ModuleInput, StepContext, StepPlan, Window
 from torchrec_lookahead.variable_batch import keep_inverse_indices
@@ -97,19 +97,8 @@ class CacheSettings:
             if unknown:
                 raise ValueError(f"{setting} names unknown tables {unknown}; tables are {names}")
         compute = torch.device(device) if device is not None else torch.device("cpu")
-        if store_dir is not None and compute.type not in ("cpu", "meta"):
-            raise ValueError(
-                f"a disk store runs on the CPU for now, not {compute}: its files "
-                "are mapped host memory, and pinning them for a GPU would copy "
-                "every table into RAM"
-            )
         if store_dir is not None:
-            for table in tables:
-                if table.data_type != DataType.FP32:
-                    raise ValueError(
-                        f"table {table.name}: a disk store holds FP32 tables for now, not "
-                        f"{table.data_type.value}; keep it in host memory (no store_dir)"
-                    )
+            check_disk_store(compute, tables)
         host = compute if compute.type == "meta" else torch.device("cpu")
         files = None
         if store_dir is not None and host.type != "meta":
@@ -358,35 +347,26 @@ class CachedCollection(ModuleBase):
 
     def _build_cache(self, tables: list[int]) -> CachedTables:
         """The cache group of ``tables`` (indices; one data type), its store their rows."""
-        params = self.fused_config()
-        optimizer = params.pop("optimizer")
         configs = [self.table_configs()[t] for t in tables]
-        # On CUDA the tables stay pageable: rows move through pinned staging buffers (the
-        # store's), so no table is copied into page-locked memory.
-        on_cuda = self._compute_device.type == "cuda"
-        weights = [self._weight(t.name) for t in configs]
-        store: HostStore
-        if self._store_files is not None:
-            store = MmapStore(self._store_files, [t.name for t in configs], weights)
-        else:
-            store = HostStore(weights, pin=on_cuda)
-        slots = self.cache_rows()
-        cached = CachedTables(
-            [t.name for t in configs],
-            [t.num_embeddings for t in configs],
-            [t.embedding_dim for t in configs],
-            [k for k, t in enumerate(configs) for _ in t.feature_names],
-            [slots[t] for t in tables],
-            store,
-            optimizer,
-            self._compute_device,
-            self._pooling,
-            params,
-            configs[0].data_type,
-            [self.sizing.cap(t.name, t.num_embeddings, t.num_embeddings) for t in configs],
+        return build_cache_group(
+            [
+                GroupTable(
+                    t.name,
+                    t.num_embeddings,
+                    t.num_embeddings,
+                    t.embedding_dim,
+                    len(t.feature_names),
+                )
+                for t in configs
+            ],
+            [self._weight(t.name) for t in configs],
+            sizing=self.sizing,
+            fused_params=self.fused_config(),
+            device=self._compute_device,
+            pooling=self._pooling,
+            data_type=configs[0].data_type,
+            files=self._store_files,
         )
-        store.allocate_states(cached.cache.state_shapes())
-        return cached
 
     def _map_weights(self, files: StoreFiles, init_each: bool) -> None:
         """Tables as store files, holding what the TorchRec base on the CPU would.

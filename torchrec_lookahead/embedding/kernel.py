@@ -18,7 +18,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -27,7 +26,6 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import DataType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead._compat import (
@@ -35,13 +33,10 @@ from torchrec_lookahead._compat import (
     FusedOptimizerBase,
     FusedSequenceKernelBase,
 )
-from torchrec_lookahead.cache.tables import CachedTables
 from torchrec_lookahead.checks import no_fused_optimizer
-from torchrec_lookahead.embedding.hot import (
-    HotRowTier,
-)
+from torchrec_lookahead.embedding.cache_group import GroupTable, build_cache_group
 from torchrec_lookahead.store.files import StoreFiles
-from torchrec_lookahead.store.stores import ORACLE_ROW_BYTES, HostStore, MmapStore
+from torchrec_lookahead.store.stores import ORACLE_ROW_BYTES
 from torchrec_lookahead.tbe import set_learning_rate
 from torchrec_lookahead.types import CacheSizing
 from torchrec_lookahead.variable_batch import (
@@ -87,89 +82,64 @@ class LookaheadKernel:
                 for t in config.embedding_tables
             ]
             config = dataclasses.replace(config, embedding_tables=tables)
-        if store_files is not None:  # the store TBE's host buffers are store files
-            if on_cuda:
-                raise ValueError(
-                    "a disk store under DMP runs on the CPU for now: FBGEMM's "
-                    "UVM buffers of a CUDA TBE cannot be mapped files"
-                )
+        if store_files is not None:  # the store TBE's host buffers are store files (checked by
+            # the sharded module, check_disk_store)
             buffers = _store_buffers(config, *store_files)
             fused = {**(config.fused_params or {}), "preallocated_host_buffers": buffers}
             config = dataclasses.replace(config, fused_params=fused)
         if "optimizer" not in (config.fused_params or {}):
             raise no_fused_optimizer(f"tables {[t.name for t in config.embedding_tables]}")
         super().__init__(config, pg, device, sharding_type, env)  # type: ignore[call-arg]
-        params = dict(config.fused_params or {})
-        params.pop("preallocated_host_buffers", None)
-        optimizer = params.pop("optimizer")
-        store_states = self.store_tbe.split_optimizer_states()
-        weights = self.store_tbe.split_embedding_weights()
-        states = store_states or [[] for _ in config.embedding_tables]
-        store: HostStore
-        if store_files is not None:
-            names = [t.name for t in config.embedding_tables]
-            store = MmapStore(store_files[0], names, weights, states)
-        else:
-            store = HostStore(weights, states=states)
-        # A plan's per-table cache_params.load_factor stays in each table's fused params
-        # (TorchRec groups tables without it), so size each table's cache from its own.
-        table_slots = [
-            sizing.rows(
-                t.name,
-                t.num_embeddings,
-                t.local_rows,
-                (t.fused_params or {}).get("cache_load_factor"),
-            )
-            for t in config.embedding_tables
-        ]
-        self.store = store
-        self.table_names = [t.name for t in config.embedding_tables]
-        self.row_starts = [_row_offset(t) for t in config.embedding_tables]
-        self._hot: HotRowTier | None = None  # replicas of some rows, see fold_replicas_from
-        self.cached = CachedTables(
-            [t.name for t in config.embedding_tables],
-            self.local_rows,
-            self.local_cols,
-            self.feature_table_map,
-            table_slots,
-            store,
-            optimizer,
-            device,
-            self.pooling,
-            params,
-            config.data_type,
-            [sizing.cap(t.name, t.num_embeddings, t.local_rows) for t in config.embedding_tables],
+        # Who makes the store current before its optimizer state is read, and who hears
+        # that its state was loaded (see route_store_events).
+        self._before_store_read: Callable[[], None] = self.write_back
+        self._after_store_load: Callable[[], None] = _nothing
+        states = self.store_tbe.split_optimizer_states()
+        self.cached = build_cache_group(
+            [
+                # A plan's per-table cache_params.load_factor stays in each table's fused
+                # params (TorchRec groups tables without it): each table sized from its own.
+                GroupTable(
+                    t.name,
+                    t.num_embeddings,
+                    t.local_rows,
+                    t.local_cols,
+                    t.num_features(),
+                    (t.fused_params or {}).get("cache_load_factor"),
+                )
+                for t in config.embedding_tables
+            ],
+            self.store_tbe.split_embedding_weights(),
+            sizing=sizing,
+            fused_params=config.fused_params or {},
+            device=device,
+            pooling=self.pooling,
+            data_type=config.data_type,
+            files=None if store_files is None else store_files[0],
+            states=states or [[] for _ in config.embedding_tables],
         )
+        self.store = self.cached.cache.store
         self.use_fused_optimizer(CacheAwareFusedOptimizer(config, self.store_tbe, pg, self))
 
-    def fold_replicas_from(self, hot: HotRowTier) -> None:
-        """Some rows of this kernel's shards are replicated by ``hot``: their newest
-        values are there, and are folded into the store whenever it is written back."""
-        self._hot = hot
+    def route_store_events(
+        self, before_read: Callable[[], None], after_load: Callable[[], None]
+    ) -> None:
+        """Let the module composing this kernel make the store current before its
+        optimizer state is read (``before_read``, by default this kernel's
+        :meth:`write_back`) and hear that the state was loaded (``after_load``): a module
+        whose rows also live elsewhere (replicated hot rows) brings them in there."""
+        self._before_store_read = before_read
+        self._after_store_load = after_load
 
-    def owner_rows_loaded(self) -> None:
-        """The store was loaded (a checkpoint): its hot rows are newer than the replicas."""
-        if self._hot is not None:
-            self._hot.invalidate()
+    def before_store_read(self) -> None:
+        self._before_store_read()
+
+    def after_store_load(self) -> None:
+        self._after_store_load()
 
     def write_back(self) -> None:
-        """Make the store current: the cache's updated rows, then the replicas of the
-        shards' hot rows (which the owner's cache never sees)."""
+        """Make the store current: write the cache's updated rows back."""
         self.cached.write_back()
-        if self._hot is None:
-            return
-        for table, (name, start, rows) in enumerate(
-            zip(self.table_names, self.row_starts, self.local_rows)
-        ):
-            folded = self._hot.fold(name, start, start + rows)
-            if folded is not None:
-                ids, weights, states = folded
-                self.store.scatter(table, torch.from_numpy(ids), weights, states)
-
-    def read_rows(self, table: int, ids: np.ndarray) -> list[torch.Tensor]:
-        """Local rows ``ids`` of table ``table`` from the store: weights, then optimizer state."""
-        weights, states = self.store.gather(table, torch.from_numpy(ids))
-        return [weights, *states]
 
     def forward(self, features: KeyedJaggedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.cached.context is not None:  # a step runs: its slots are in its context
@@ -181,7 +151,7 @@ class LookaheadKernel:
                 "a lookahead-cached table trains through LookaheadTrainPipeline; call the "
                 "model directly only in eval mode or under torch.no_grad()"
             )
-        self.write_back()
+        self.before_store_read()
         return super().forward(features, *args, **kwargs)  # type: ignore[misc]
 
     def step_lookup(self, features: KeyedJaggedTensor, **kwargs: Any) -> torch.Tensor:
@@ -215,17 +185,13 @@ class LookaheadFusedEmbedding(LookaheadKernel, FusedSequenceKernelBase):
         return self.cached.lookup(features.offsets(), features.values().numel(), None)
 
 
-def _row_offset(table: Any) -> int:
-    """The first row of a table's shard (0 for a whole table)."""
-    metadata = getattr(table, "local_metadata", None)
-    return int(metadata.shard_offsets[0]) if metadata is not None else 0
+def _nothing() -> None:
+    """No one to tell."""
 
 
 def _store_buffers(config: GroupedEmbeddingConfig, files: StoreFiles, prefix: str) -> dict:
     """Store files for the host buffers FBGEMM's TBE would allocate for ``config``:
     the tables' weights, one after another, and the optimizer's per-row state."""
-    if config.data_type != DataType.FP32:
-        raise ValueError(f"a disk store holds FP32 tables, not {config.data_type}")
     optimizer = (config.fused_params or {}).get("optimizer")
     elements = sum(t.local_rows * t.local_cols for t in config.embedding_tables)
     rows = sum(t.local_rows for t in config.embedding_tables)
@@ -253,9 +219,9 @@ class CacheAwareFusedOptimizer(FusedOptimizerBase):
     """TorchRec's fused optimizer over the store TBE, kept in step with the cache.
 
     Its state tensors are the store's: reading them (``state``, which
-    ``CombinedOptimizer`` and ``state_dict()`` go through) writes the cache
-    (and the replicas of hot rows) back first, and loading them reloads the
-    cached rows' weights and state (hot rows' replicas reload before they are next read).
+    ``CombinedOptimizer`` and ``state_dict()`` go through) makes the store current
+    first (the kernel's ``before_store_read``), and loading them reloads the cached
+    rows' weights and state, then tells the kernel's ``after_store_load``.
     """
 
     def __init__(self, config, emb_module, pg, kernel: LookaheadKernel) -> None:  # noqa: ANN001
@@ -263,9 +229,9 @@ class CacheAwareFusedOptimizer(FusedOptimizerBase):
         super().__init__(config, emb_module, pg)
 
     def before_state_read(self) -> None:
-        self._kernel.write_back()
+        self._kernel.before_store_read()
 
     def post_load_state_dict(self) -> None:
         super().post_load_state_dict()
         self._kernel.cached.cache.refresh(states=True)
-        self._kernel.owner_rows_loaded()
+        self._kernel.after_store_load()

@@ -25,11 +25,11 @@ from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import (
-    TBE_TAKES_HOST_BUFFERS,
     GatheredOutput,
     ShardedCollectionBase,
 )
 from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
+from torchrec_lookahead.embedding.cache_group import check_disk_store
 from torchrec_lookahead.embedding.cached import CachedCollection
 from torchrec_lookahead.embedding.kernel import LookaheadKernel
 from torchrec_lookahead.embedding.lookup import LookaheadLookup, LookaheadPooledEmbeddingsLookup
@@ -79,11 +79,9 @@ class ShardedLookaheadModule(ShardedBase):
         self._sizing = module.sizing
         self._store_files = None  # a disk store's files (this rank's)
         if module.store_dir is not None:
-            if not TBE_TAKES_HOST_BUFFERS:
-                raise ValueError(
-                    "a disk store (store_dir) under DMP needs fbgemm_gpu 1.8 or newer, whose "
-                    "TBE takes preallocated_host_buffers; this fbgemm_gpu's does not"
-                )
+            check_disk_store(
+                torch.device(kwargs.get("device") or "cpu"), module.table_configs(), True
+            )
             # One directory per rank and module: several modules may share a store_dir.
             where = f"rank{kwargs['env'].rank}/{kwargs.get('module_fqn') or 'module'}"
             self._store_files = StoreFiles.create_subdir(module.store_dir, where)
