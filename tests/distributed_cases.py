@@ -252,7 +252,7 @@ def check_row_types(look: DistributedModelParallel, case: Case) -> None:
     types = {t.name: DataType(d).value for t, d in zip(tables(), case.data_types)}
     sharded = next(m for m in look.modules() if hasattr(m, "kernels"))
     for kernel in sharded.kernels:
-        (kind,) = {types[name] for name in kernel.table_names}
+        (kind,) = {types[name] for name in kernel.cached.names}
         want = {"FP32": torch.float32, "FP16": torch.float16}[kind]
         cache = kernel.cached.cache
         assert {w.dtype for w in cache.tbe.split_embedding_weights()} == {want}

@@ -32,6 +32,7 @@ from torchrec_lookahead._compat import CompletedOutput
 from torchrec_lookahead.embedding.hot.collection import HotRowsEmbeddingBagCollection
 from torchrec_lookahead.embedding.hot.layout import HotLayout, RowRange
 from torchrec_lookahead.embedding.hot.tier import HotInput, HotRowTier, ReplicaMetrics
+from torchrec_lookahead.embedding.kernel import LookaheadKernel
 from torchrec_lookahead.embedding.sharded import ShardedLookaheadEmbeddingBagCollection
 from torchrec_lookahead.types import ModuleInput, StepPlan, Window
 from torchrec_lookahead.variable_batch import VARIABLE_BATCH_OPTIMIZERS
@@ -59,6 +60,10 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
         super().__init__(module=module, **kwargs)
         self.hot = self._make_tier(module.hot_rows)
         self._hot_pg: dist.ProcessGroup | None = None  # the update's group, made at attach
+        # The kernels' stores are current only with the replicas folded in (this module's
+        # write_back), and a loaded optimizer state is newer than the replicas.
+        for kernel in self.kernels:
+            kernel.route_store_events(self.write_back, self.hot.invalidate)
 
     def _make_tier(self, hot: dict[str, np.ndarray]) -> HotRowTier:
         """The hot rows' replicas on this rank, laid out like the plan's shards of them."""
@@ -90,9 +95,7 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
             shards=shards,
             dim=configs[0].embedding_dim,
         )
-        tier = HotRowTier(layout, self._collective_device, owners=self)
-        for kernel in self.kernels:
-            kernel.fold_replicas_from(tier)
+        tier = HotRowTier(layout, self._collective_device)
         # The cold ids travel as a variable batch (bags of hot ids only dropped) where
         # TorchRec's sharding and FBGEMM's kernel take one: not row-wise over gloo, on
         # CUDA only with some optimizers, on the CPU only where each sharding's tables
@@ -114,11 +117,10 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
     # -------------------------------------------- the owners (the tier's Owners)
 
     def shard_readers(self) -> dict[tuple[str, int], Any]:
-        """Per ``(table, first row)`` of a local shard, a reader of its rows."""
+        """Per ``(table, first row)`` of a local shard of a hot table, a reader of its rows."""
         return {
-            (name, start): partial(kernel.read_rows, table)
-            for kernel in self.kernels
-            for table, (name, start) in enumerate(zip(kernel.table_names, kernel.row_starts))
+            (name, shard.start): partial(_read_rows, kernel, table)
+            for name, shard, kernel, table in self._hot_shards()
         }
 
     def learning_rates(self) -> dict[str, float]:
@@ -127,8 +129,29 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
         return {
             name: kernel.store_tbe.get_learning_rate()
             for kernel in self.kernels
-            for name in kernel.table_names
+            for name in kernel.cached.names
         }
+
+    def _hot_shards(self) -> list[tuple[str, RowRange, LookaheadKernel, int]]:
+        """This rank's shards of hot tables: name, rows, and the kernel and its table
+        index that hold them."""
+        held = {name: (k, t) for k in self.kernels for t, name in enumerate(k.cached.names)}
+        return [
+            (name, shard, *held[name])
+            for name, shards in self.hot.layout.shards.items()
+            for shard in shards
+            if shard.rank == self.env.rank
+        ]
+
+    def write_back(self) -> None:
+        """Make the stores current: the caches' updated rows, then the replicas of this
+        rank's shards' hot rows (which the owners' caches never see)."""
+        super().write_back()
+        for name, shard, kernel, table in self._hot_shards():
+            folded = self.hot.fold(name, shard.start, shard.stop)
+            if folded is not None:
+                ids, weights, states = folded
+                kernel.store.scatter(table, torch.from_numpy(ids), weights, states)
 
     @property
     def replica_metrics(self) -> ReplicaMetrics:
@@ -147,7 +170,7 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
             self._hot_pg = dist.new_group(
                 ranks=dist.get_process_group_ranks(self.env.process_group)
             )
-        self.hot.attach(self._hot_pg)
+        self.hot.attach(self._hot_pg, self)
 
     def create_context(self) -> HotRowsContext:
         return HotRowsContext()
@@ -182,7 +205,7 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
     def complete(
         self, ctx: EmbeddingBagCollectionContext, output: LazyAwaitable[KeyedTensor]
     ) -> LazyAwaitable[KeyedTensor]:
-        pooled = self.hot.lookup(_hot_of(ctx))  # while the cold outputs travel
+        pooled = self.hot.lookup(_hot_of(ctx), self)  # while the cold outputs travel
         layout = self.hot.layout
 
         def with_hot_rows(cold: KeyedTensor) -> KeyedTensor:
@@ -194,6 +217,13 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
     def _reload_caches(self) -> None:
         super()._reload_caches()
         self.hot.invalidate()  # reloaded from the owners before they are next read
+
+
+def _read_rows(kernel: LookaheadKernel, table: int, ids: np.ndarray) -> list[torch.Tensor]:
+    """Local rows ``ids`` of ``kernel``'s table ``table`` from its store: weights, then
+    optimizer state."""
+    weights, states = kernel.store.gather(table, torch.from_numpy(ids))
+    return [weights, *states]
 
 
 def _hot_of(ctx: EmbeddingBagCollectionContext) -> HotInput:

@@ -2,7 +2,7 @@
 
 The calls it receives, in order (every rank alike):
 
-1. ``attach(group)`` when a pipeline attaches: checks that every rank holds the
+1. ``attach(group, owners)`` when a pipeline attaches: checks that every rank holds the
    same hot rows, and (re)loads the replicas from their owners unless they
    are current.
 2. ``prepare(features, ...)`` per batch, on the stage's thread, ``L`` steps
@@ -10,14 +10,17 @@ The calls it receives, in order (every rank alike):
    union's exchange started (a collective on the stage's group); the previous
    batch's exchange is resolved first. ``resolve()`` at the end of the data
    resolves the last.
-3. ``lookup(hot)`` in the step's forward: the hot part of the pooled output.
+3. ``lookup(hot, owners)`` in the step's forward: the hot part of the pooled output.
    Its backward sums the step's hot-row gradients over the ranks in the
    owners' order and applies them to every replica
-   (:mod:`~torchrec_lookahead.embedding.hot.sync`).
+   (:mod:`~torchrec_lookahead.embedding.hot.sync`), each table at its owner's rate.
 4. ``fold(table, start, stop)`` whenever an owner's store is written back
    (``state_dict``, optimizer state, eval): the replicas of its rows.
 5. ``invalidate()`` when the owners' tables were loaded: the replicas reload
    from them at the next ``attach`` or ``lookup``.
+
+The owners (this rank's shards: their readers and learning rates, :class:`Owners`)
+are handed to the calls that read them; the tier keeps no reference to them.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ __all__ = ["HotInput", "HotRowTier", "Owners", "ReplicaMetrics"]
 
 
 class Owners(Protocol):
-    """What the tier needs of this rank's owned shards."""
+    """What the tier needs of this rank's owned shards, handed to the calls that read
+    them (the tier keeps no reference to its owners)."""
 
     def shard_readers(self) -> Mapping[tuple[str, int], ShardReader]:
         """Per ``(table, first row)`` of a local shard, a reader of its rows."""
@@ -104,15 +108,13 @@ class HotRowTier:
     Args:
         layout: the hot rows, their groups and their owners' shards.
         device: where the replicas live and the collectives' tensors go.
-        owners: this rank's shards (readers and learning rates).
     """
 
-    def __init__(self, layout: HotLayout, device: torch.device, owners: Owners) -> None:
+    def __init__(self, layout: HotLayout, device: torch.device) -> None:
         self.layout = layout
         self.device = device
         self.replicas = ReplicaTables(layout, device)
         self.metrics = ReplicaMetrics()
-        self._owners = owners
         self._row_of = direct_map(layout)
         self._group: dist.ProcessGroup | None = None
         self._current = False  # the replicas hold the newest values of their rows
@@ -129,23 +131,23 @@ class HotRowTier:
 
     # ------------------------------------------------------------ lifecycle
 
-    def attach(self, group: dist.ProcessGroup | None) -> None:
-        """Check every rank holds this layout; load the replicas unless current. A
-        collective on ``group``, the ranks the update runs over."""
+    def attach(self, group: dist.ProcessGroup | None, owners: Owners) -> None:
+        """Check every rank holds this layout; load the replicas from ``owners`` unless
+        current. A collective on ``group``, the ranks the update runs over."""
         self.settle()
         self._group = group
         if group is not None and dist.get_world_size(group) > 1:
             self._check_same_layout(group)
         if not self._current:
-            self._load()
+            self._load(owners)
 
     def invalidate(self) -> None:
         """The owners' rows were loaded: reload the replicas before they are next read."""
         self._current = False
 
-    def _load(self) -> None:
+    def _load(self, owners: Owners) -> None:
         self.settle()  # a pending update lands first (the load then overwrites it)
-        self.replicas.load(self._owners.shard_readers(), self._group)
+        self.replicas.load(owners.shard_readers(), self._group)
         self._current = True
 
     def _check_same_layout(self, group: dist.ProcessGroup) -> None:
@@ -188,15 +190,15 @@ class HotRowTier:
 
     # ------------------------------------------------------------- trainer
 
-    def lookup(self, hot: HotInput) -> torch.Tensor:
+    def lookup(self, hot: HotInput, owners: Owners) -> torch.Tensor:
         """The hot part of the step's pooled features, ``[batch, keys * dim]`` in the
-        collection's key order; its backward updates every replica."""
+        collection's key order; its backward updates every replica at ``owners``' rates."""
         self.settle()
         if not self._current:  # the owners were loaded since: a collective, ranks alike
-            self._load()
-        return _HotLookup.apply(self._placeholder, self, hot)
+            self._load(owners)
+        return _HotLookup.apply(self._placeholder, self, hot, owners)
 
-    def update(self, hot: HotInput, grad: torch.Tensor) -> None:
+    def update(self, hot: HotInput, grad: torch.Tensor, owners: Owners) -> None:
         """Start summing the step's hot-row gradients over the ranks in the owners' order;
         :meth:`settle` applies the sums to every replica, each table at its owner's rate
         (read now: the rate the owner's update of this step uses)."""
@@ -205,7 +207,7 @@ class HotRowTier:
         if not len(union.host):  # no rank's batch touched a hot row: nothing to send
             return
         world = dist.get_world_size(self._group) if self._group is not None else 1
-        local = self._owners.learning_rates()
+        local = owners.learning_rates()
         rates = np.array([local.get(name, np.nan) for name in layout.tables])
         args = (split, union, grad, world, rates)
         if self.device.type == "cpu":
@@ -278,11 +280,12 @@ class _HotLookup(torch.autograd.Function):
         placeholder: torch.Tensor,
         tier: HotRowTier,
         hot: HotInput,  # noqa: ANN001
+        owners: Owners,
     ) -> torch.Tensor:
-        ctx.tier, ctx.hot = tier, hot
+        ctx.tier, ctx.hot, ctx.owners = tier, hot, owners
         return tier.replicas.pooled(hot.split)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None]:  # noqa: ANN001
-        ctx.tier.update(ctx.hot, grad.contiguous())
-        return None, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, None, None]:  # noqa: ANN001
+        ctx.tier.update(ctx.hot, grad.contiguous(), ctx.owners)
+        return None, None, None, None
