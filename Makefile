@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo oracle test test-compat exactness lint docs gpu-check bench clean
+.PHONY: install demo bert4rec oracle test test-compat exactness lint docs gpu-check bench clean
 
 install: $(STAMP)
 
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml requirements/cpu.txt requirements/cuda.txt requirements
 demo: install
 	$(PY) examples/dlrm/dlrm_main.py --baseline --out results/dlrm
 
+# TorchRec's BERT4Rec example with lookahead caching (one sequence table) on built-in
+# synthetic item histories, plain TorchRec beside it for comparison.
+bert4rec: install
+	$(PY) examples/bert4rec/bert4rec_main.py --baseline --out results/bert4rec
+
 # The oracle report: misses against LRU / LFU / MIN, planning speed.
 oracle: install
 	$(PY) benchmarks/oracle.py --out results/oracle
@@ -24,10 +29,10 @@ oracle: install
 test: install
 	$(PY) -m pytest -q
 
-# The differential harness: EXACTNESS_CONFIGS random configurations drawn from
-# EXACTNESS_SEED (EXACTNESS_ONLY=i,j: just those; EXACTNESS_HOT_ROWS=1: every one with
-# replicated hot rows), each trained under this project and
-# under plain TorchRec and compared step by step. Last line: "exactness: K of N
+# The differential harness: EXACTNESS_CONFIGS random configurations (bag tables,
+# sequence tables or both) drawn from EXACTNESS_SEED (EXACTNESS_ONLY=i,j: just those;
+# EXACTNESS_HOT_ROWS=1: every one with replicated hot rows), each trained under this
+# project and under plain TorchRec and compared step by step. Last line: "exactness: K of N
 # configurations agree"; fails unless all do.
 EXACTNESS_CONFIGS ?= 20
 EXACTNESS_SEED ?= 0

@@ -7,8 +7,11 @@ at every step.
 Both models start from the same weights (plain TorchRec's, loaded into the
 lookahead model as a checkpoint) and train on the same batches, each rank its
 own. Plain TorchRec is ``EmbeddingBagCollection`` with TorchRec's sharder (its
-CUDA-only gate on row-wise sharding lifted) and ``TrainPipelineSparseDist``;
-this project is ``LookaheadEmbeddingBagCollection``, its sharder and
+CUDA-only gate on row-wise sharding lifted) for the bag tables and
+``EmbeddingCollection`` with TorchRec's default sharder for the sequence tables,
+trained by ``TrainPipelineSparseDist``; this project is
+``LookaheadEmbeddingBagCollection`` (``HotRowsEmbeddingBagCollection`` with hot
+rows) and ``LookaheadEmbeddingCollection``, ``lookahead_sharders()`` and
 ``LookaheadTrainPipeline``. Every step's output, then every table shard,
 optimizer-state shard and dense parameter, must agree within the
 configuration's tolerance (0: bitwise).
@@ -20,18 +23,25 @@ import math
 import shutil
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingType
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import (
+    DataType,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+    PoolingType,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim import SGD, Adagrad, RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -41,10 +51,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from benchmarks.common import pinned_rows_needed
 from planners import optimizer_state_floats, propose_hot_rows
 from tests.exactness.configs import Config
+from tests.test_sequence import summarise
 from torchrec_lookahead import (
     DeviceOracleCacher,
     HotRowsEmbeddingBagCollection,
     LookaheadEmbeddingBagCollection,
+    LookaheadEmbeddingCollection,
     LookaheadTrainPipeline,
     OracleCacher,
     lookahead_sharders,
@@ -56,6 +68,9 @@ __all__ = ["Divergence", "compare", "oracle_divergence"]
 FUSED = {"sgd": SGD, "adagrad": Adagrad, "rowwise_adagrad": RowWiseAdagrad}
 DENSE_IN = 13
 SESSION = 4  # samples sharing their deduplicated features
+
+# A leaf of the pipelines' trace of Ranker, as of SequenceModel (fx wraps a name per module).
+torch.fx.wrap("summarise")
 
 
 @dataclass
@@ -78,18 +93,32 @@ class RowWiseOnCpuSharder(EmbeddingBagCollectionSharder):
 
 class Ranker(torch.nn.Module):
     """A ranking model over any tables: dense features through a layer, beside every
-    pooled feature, into a logit (DLRMTrain's outputs: loss, then (loss, logits, labels))."""
+    pooled feature and every sequence feature summarised per sample (its rows weighted by
+    their position, as in ``tests/test_sequence.py``), into a logit (DLRMTrain's outputs:
+    loss, then (loss, logits, labels))."""
 
-    def __init__(self, ebc: torch.nn.Module, pooled_width: int) -> None:
+    def __init__(
+        self,
+        ebc: torch.nn.Module | None,
+        ec: torch.nn.Module | None,
+        sequence_features: list[str],
+        width: int,
+    ) -> None:
         super().__init__()
-        self.ebc = ebc
+        self.ebc = ebc  # the bag tables' collection (None: none)
+        self.ec = ec  # the sequence tables' collection (None: none)
+        self.sequence_features = sequence_features
         self.dense = torch.nn.Linear(DENSE_IN, 8)
-        self.over = torch.nn.Linear(8 + pooled_width, 1)
+        self.over = torch.nn.Linear(8 + width, 1)
 
     def forward(self, batch: Batch):  # noqa: ANN201
-        pooled = self.ebc(batch.sparse_features)
-        dense = torch.relu(self.dense(batch.dense_features))
-        logits = self.over(torch.cat([dense, pooled.values()], dim=1)).squeeze(-1)
+        parts = [torch.relu(self.dense(batch.dense_features))]
+        if self.ebc is not None:
+            parts.append(self.ebc(batch.sparse_features).values())
+        if self.ec is not None:
+            rows = self.ec(batch.sparse_features)
+            parts += [summarise(rows[f], batch.labels) for f in self.sequence_features]
+        logits = self.over(torch.cat(parts, dim=1)).squeeze(-1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.float())
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
@@ -168,8 +197,9 @@ def bad_batch(batch: Batch, config: Config) -> Batch:
 
 
 def hot_rows(config: Config) -> dict[str, list[int]] | None:
-    """The rows to replicate: ids seen at least twice in the first steps' global batches
-    (``on``), or the planner's choice within half the memory it would use (``budget``)."""
+    """The bag tables' rows to replicate (sequence tables have none): ids seen at least
+    twice in the first steps' global batches (``on``), or the planner's choice within half
+    the memory it would use (``budget``)."""
     if config.hot == "off":
         return None
     everyone = [rank_batches(config, r)[: min(5, config.steps)] for r in range(config.world_size)]
@@ -180,7 +210,7 @@ def hot_rows(config: Config) -> dict[str, list[int]] | None:
             )
             for step in zip(*everyone)
         ]
-        for t in config.tables
+        for t in config.bags
     }
     if config.hot == "on":
         chosen = {}
@@ -189,10 +219,11 @@ def hot_rows(config: Config) -> dict[str, list[int]] | None:
             if len(ids[counts >= 2]):
                 chosen[name] = ids[counts >= 2].tolist()
         return chosen
-    state = max(optimizer_state_floats(_emb_opt(t.optimizer), t.dim) for t in config.tables)
-    full = propose_hot_rows(samples, config.world_size, config.tables[0].dim, state)
+    state = max(optimizer_state_floats(_emb_opt(t.optimizer), t.dim) for t in config.bags)
+    dim = config.bags[0].dim
+    full = propose_hot_rows(samples, config.world_size, dim, state)
     budget = sum(full.replica_bytes.values()) // 2
-    proposal = propose_hot_rows(samples, config.world_size, config.tables[0].dim, state, budget)
+    proposal = propose_hot_rows(samples, config.world_size, dim, state, budget)
     return {name: list(ids) for name, ids in proposal.hot.items() if len(ids)}
 
 
@@ -209,7 +240,7 @@ def _emb_opt(name: str):  # noqa: ANN202
 # ------------------------------------------------------------------ models
 
 
-def table_configs(config: Config) -> list[EmbeddingBagConfig]:
+def bag_configs(config: Config) -> list[EmbeddingBagConfig]:
     pooling = PoolingType.MEAN if config.pooling == "mean" else PoolingType.SUM
     return [
         EmbeddingBagConfig(
@@ -220,8 +251,30 @@ def table_configs(config: Config) -> list[EmbeddingBagConfig]:
             pooling=pooling,
             data_type=DataType(t.data_type),
         )
-        for t in config.tables
+        for t in config.bags
     ]
+
+
+def sequence_configs(config: Config) -> list[EmbeddingConfig]:
+    return [
+        EmbeddingConfig(
+            name=t.name,
+            embedding_dim=t.dim,
+            num_embeddings=t.rows,
+            feature_names=list(t.features),
+            data_type=DataType(t.data_type),
+        )
+        for t in config.sequences
+    ]
+
+
+def _store(store_dir: str | None, collection: str) -> str | None:
+    """A collection's own folder of ``store_dir`` (a store's folder is its alone)."""
+    if store_dir is None:
+        return None
+    folder = Path(store_dir, collection)
+    folder.mkdir()
+    return str(folder)
 
 
 def build(
@@ -233,28 +286,43 @@ def build(
 ):
     """A DMP model of ``config`` (lookahead or plain), its optimizer and its plan."""
     meta = torch.device("meta")
+    bags, sequences = bag_configs(config), sequence_configs(config)
+    ebc: torch.nn.Module | None = None
+    ec: torch.nn.Module | None = None
     if lookahead:
-        settings = dict(
-            is_weighted=config.weighted,
-            device=meta,
-            cache_load_factor=config.cache_load_factor,
-            store_dir=store_dir,
-            min_cache_rows=min_cache_rows,
-        )
+
+        def cache(collection: str) -> dict:
+            folder = _store(store_dir, collection)
+            return dict(
+                device=meta,
+                cache_load_factor=config.cache_load_factor,
+                min_cache_rows=min_cache_rows,
+                store_dir=folder,
+            )
+
         if hot:
-            ebc = HotRowsEmbeddingBagCollection(table_configs(config), hot_rows=hot, **settings)
-        else:
-            ebc = LookaheadEmbeddingBagCollection(table_configs(config), **settings)
+            ebc = HotRowsEmbeddingBagCollection(
+                bags, is_weighted=config.weighted, hot_rows=hot, **cache("bags")
+            )
+        elif bags:
+            ebc = LookaheadEmbeddingBagCollection(
+                bags, is_weighted=config.weighted, **cache("bags")
+            )
+        if sequences:
+            ec = LookaheadEmbeddingCollection(sequences, **cache("sequence"))
         sharders = lookahead_sharders(cpu_row_wise=True)
     else:
-        ebc = EmbeddingBagCollection(
-            table_configs(config), is_weighted=config.weighted, device=meta
-        )
-        sharders = [RowWiseOnCpuSharder()]
+        if bags:
+            ebc = EmbeddingBagCollection(bags, is_weighted=config.weighted, device=meta)
+        if sequences:
+            ec = EmbeddingCollection(sequences, device=meta)
+        sharders = [RowWiseOnCpuSharder(), EmbeddingCollectionSharder()]
     width = sum(t.dim * len(t.features) for t in config.tables)
-    model = Ranker(ebc, width)
+    features = [f for t in config.sequences for f in t.features]
+    model = Ranker(ebc, ec, features, width)
     for t in config.tables:
-        weight = ebc.embedding_bags[t.name].weight
+        where = "ec.embeddings" if t.sequence else "ebc.embedding_bags"
+        weight = model.get_parameter(f"{where}.{t.name}.weight")
         apply_optimizer_in_backward(FUSED[t.optimizer], [weight], {"lr": t.lr})
     constraints = {
         t.name: ParameterConstraints(
@@ -434,9 +502,9 @@ class _Run:
 
 def oracle_divergence(config: Config, batches: list[Batch]) -> Divergence | None:
     """The first step where the device oracle fetches other rows than the numba oracle,
-    on a table's ids of ``batches`` (its features' ids per step), with the configuration's
-    window and cache (no smaller than the window needs) and the pipeline's tie-break (the
-    unit tests cover the other)."""
+    on a table's ids of ``batches`` (its features' ids per step; bag and sequence tables
+    alike), with the configuration's window and cache (no smaller than the window needs)
+    and the pipeline's tie-break (the unit tests cover the other)."""
     for table in config.tables:
         stream = [
             np.concatenate([b.sparse_features[f].values().numpy() for f in table.features])

@@ -1,5 +1,6 @@
 """The configurations the differential harness draws: every setting the project promises
-to train exactly like plain TorchRec, combined at random.
+to train exactly like plain TorchRec, combined at random: bag tables
+(``EmbeddingBagCollection``), sequence tables (``EmbeddingCollection``), or both.
 
 A configuration is a pure function of ``(seed, index)``, so any one of them can
 be run again alone (``EXACTNESS_SEED=S EXACTNESS_ONLY=k make exactness``).
@@ -23,6 +24,11 @@ ROWS_P = np.array([6, 5, 4, 4, 3, 3, 3, 2, 2, 1, 1], dtype=float)
 # closed and another attached; a checkpoint of an earlier step loaded while the pipeline
 # runs; a batch with a bad id on one rank (refused on every rank).
 EVENTS = ("eval", "resume", "reattach", "reload", "refuse")
+SEQUENCE_SHARE = 1 / 3  # of configurations, with sequence tables
+MIXED_SHARE = 2 / 3  # of those of two tables or more, with bag tables too (a half of all)
+# A sequence table's sharding for a bag table's: TorchRec shards an EmbeddingCollection
+# table-, column- or row-wise only.
+SEQUENCE_SHARDING = {"table_row_wise": "row_wise", "table_column_wise": "column_wise"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class TableSpec:
     lr: float
     multi_hot: bool  # bags of 0 to several ids (else one id per bag, as Criteo's)
     data_type: str = "FP32"  # a torchrec DataType's value: "FP32" or "FP16"
+    sequence: bool = False  # a sequence table (EmbeddingCollection, unpooled), else a bag table
 
 
 @dataclass(frozen=True)
@@ -66,10 +73,20 @@ class Config:
         return [f for t in self.tables for f in t.features]
 
     @property
+    def bags(self) -> tuple[TableSpec, ...]:
+        """The bag tables (pooled: the EmbeddingBagCollection's)."""
+        return tuple(t for t in self.tables if not t.sequence)
+
+    @property
+    def sequences(self) -> tuple[TableSpec, ...]:
+        """The sequence tables (unpooled: the EmbeddingCollection's)."""
+        return tuple(t for t in self.tables if t.sequence)
+
+    @property
     def tolerance(self) -> float:
         """0 (bitwise) unless a bag can mix hot and cold ids: its pooled sum is then its
         cold sum plus its hot sum, within rounding of TorchRec's sum."""
-        mixed = self.hot != "off" and any(t.multi_hot for t in self.tables)
+        mixed = self.hot != "off" and any(t.multi_hot for t in self.bags)
         return 1e-5 if mixed else 0.0
 
     def describe(self) -> str:
@@ -78,9 +95,12 @@ class Config:
             f":{''.join(w[0] for w in t.sharding.split('_'))}"
             f":{t.optimizer}@{t.lr:g}{':multi' if t.multi_hot else ''}"
             f"{':' + t.data_type.lower() if t.data_type != 'FP32' else ''}"
+            f"{':seq' if t.sequence else ''}"
             for t in self.tables
         )
+        kind = ("sequence+bags" if self.bags else "sequence") if self.sequences else ""
         extras = [
+            kind,
             f"pool={self.pooling}" if self.pooling != "sum" else "",
             "weighted" if self.weighted else "",
             f"hot={self.hot}" if self.hot != "off" else "",
@@ -106,7 +126,14 @@ def _rows_on_every_rank(rows: int, world_size: int) -> bool:
 
 def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
     """Configuration ``index`` of the stream drawn from ``seed`` (``hot_rows``: every one
-    with replicated hot rows, at 2 or 4 ranks)."""
+    with replicated hot rows, at 2 or 4 ranks): bag tables, some or all of them then made
+    sequence tables."""
+    return _with_sequence_tables(_draw_bags(seed, index, hot_rows), hot_rows)
+
+
+def _draw_bags(seed: int, index: int, hot_rows: bool) -> Config:
+    """The configuration with bag tables only (as the harness drew before it drew sequence
+    tables: a seed's configurations without sequence tables are what they were)."""
     rng = np.random.default_rng([seed, index])
     world_size = int(rng.choice([1, 2, 4], p=[0.3, 0.5, 0.2]))
     hot = str(rng.choice(["off", "on", "budget"], p=[0.4, 0.4, 0.2]))
@@ -203,3 +230,34 @@ def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
         fp16 = [fp16[0]] * len(fp16)
     tables = [replace(t, data_type="FP16") if half else t for t, half in zip(config.tables, fp16)]
     return replace(config, tables=tuple(tables))
+
+
+def _with_sequence_tables(config: Config, hot_rows: bool) -> Config:
+    """``config`` with its tables made sequence tables (a third of configurations): all of
+    them, or (half of those) its last ones beside bag tables. From a generator of its own,
+    so that the rest of the draw is as it was. What sequence tables do not take is left
+    out: deduplicated batches; hot rows (a mixed configuration's bag tables keep theirs,
+    and with ``hot_rows`` every sequence configuration is mixed); several widths (an
+    ``EmbeddingCollection`` has one: its first table's); table-row- and table-column-wise
+    sharding (row- and column-wise instead; column-wise of a width under 8, table-wise)."""
+    rng = np.random.default_rng([config.seed, config.index, 45])
+    if rng.random() >= SEQUENCE_SHARE:
+        return config
+    n = len(config.tables)
+    mixed = n > 1 and (hot_rows or rng.random() < MIXED_SHARE)
+    if hot_rows and not mixed:
+        return config
+    first = int(rng.integers(1, n)) if mixed else 0  # the sequence tables: tables[first:]
+    dim = config.tables[first].dim
+    sequences = []
+    for t in config.tables[first:]:
+        sharding = SEQUENCE_SHARDING.get(t.sharding, t.sharding)
+        if sharding == "column_wise" and dim < 8:
+            sharding = "table_wise"
+        sequences.append(replace(t, dim=dim, sharding=sharding, sequence=True))
+    return replace(
+        config,
+        tables=(*config.tables[:first], *sequences),
+        hot=config.hot if mixed else "off",
+        dedup=False,
+    )

@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     grew = [i for i in indices if results[i].get("growths")]
     print(f"caches grew in {len(grew)} of {len(indices)} configurations")
+    sequence = [c for c in configs if c.sequences]
+    mixed = sum(bool(c.bags) for c in sequence)
+    print(
+        f"sequence tables in {len(sequence)} of {len(indices)} configurations "
+        f"({mixed} beside bag tables)"
+    )
     print(f"took {time.perf_counter() - start:.0f} s")
     print(f"exactness: {len(indices) - len(bad)} of {len(indices)} configurations agree")
     return 1 if bad else 0
