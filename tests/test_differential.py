@@ -1,7 +1,9 @@
-"""The differential harness on the configurations it found diverging, and on its draws.
+"""The differential harness on the configurations it found diverging, one with sequence
+tables, and on its draws.
 
 ``make exactness`` runs hundreds of drawn configurations (CI: a fixed set);
-here a few run in the suite: those that once diverged, and a handful drawn.
+here a few run in the suite: those that once diverged, one with sequence tables,
+and a handful drawn.
 """
 
 from __future__ import annotations
@@ -97,6 +99,54 @@ def test_configurations_the_harness_found_diverging_now_agree(config: Config) ->
     result = _run_group(config.world_size, [config])[config.index]
     assert result.get("divergence") is None and not result.get("error"), result
     assert result["worst"] <= config.tolerance
+
+
+# Sequence tables (an EmbeddingCollection: row- and column-wise, FP32 and FP16, two
+# features on one table) beside weighted bag tables, a batch one rank refuses.
+SEQUENCE = Config(
+    seed=0,
+    index=0,
+    world_size=2,
+    tables=(
+        T("t0", 300, 8, ("f0",), "table_wise", "adagrad", 0.1, True),
+        T("t1", 2000, 8, ("f1a", "f1b"), "row_wise", "rowwise_adagrad", 0.05, True, sequence=True),
+        T("t2", 60, 8, ("f2",), "column_wise", "sgd", 0.1, False, "FP16", sequence=True),
+    ),
+    pooling="sum",
+    weighted=True,
+    batch=8,
+    steps=12,
+    cache_load_factor=0.05,
+    lookahead=4,
+    prefetch_distance=1,
+    hot="off",
+    dedup=False,
+    disk_store=False,
+    schedule="none",
+    events=((4, "refuse"),),
+    stage_thread=True,
+)
+
+
+def test_a_configuration_with_sequence_tables_agrees() -> None:
+    result = _run_group(SEQUENCE.world_size, [SEQUENCE])[SEQUENCE.index]
+    assert result.get("divergence") is None and not result.get("error"), result
+    assert result["worst"] == 0
+
+
+def test_sequence_tables_are_drawn_only_as_sequence_tables_train() -> None:
+    """A third of the draws or so have sequence tables, half of those beside bag tables;
+    never with deduplicated batches or hot rows on their own, all of one width, sharded
+    table-, column- or row-wise."""
+    configs = [draw(seed, i) for seed in range(3) for i in range(100)]
+    sequence = [c for c in configs if c.sequences]
+    mixed = [c for c in sequence if c.bags]
+    assert 0.25 < len(sequence) / len(configs) < 0.42 and 0.35 < len(mixed) / len(sequence) < 0.65
+    for c in sequence:
+        assert not c.dedup and (c.hot == "off" or c.bags), c
+        assert len({t.dim for t in c.sequences}) == 1, c
+        assert {t.sharding for t in c.sequences} <= {"table_wise", "column_wise", "row_wise"}, c
+        assert "sequence" in c.describe() and ":seq" in c.describe()
 
 
 def test_drawn_configurations_agree() -> None:
