@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -343,3 +345,16 @@ def test_a_batch_prepared_sized_enters_only_once_the_oracle_has_grown() -> None:
     oracle.grow(6)
     oracle.push(prepared)
     assert [len(p.fetch_ids) for p in oracle.finish()] == [3, 3]
+
+
+def test_the_passes_are_recompiled_when_a_helper_module_changes() -> None:
+    """Numba's cache keys the passes by kernels.py alone: a helper edited without updating
+    HELPERS_DIGEST would leave stale compiled passes in the cache."""
+    folder = Path(kernels.__file__).parent
+    digest = hashlib.sha256()
+    for name in kernels.HELPERS:
+        digest.update((folder / name).read_bytes())
+    assert digest.hexdigest()[:16] == kernels.HELPERS_DIGEST, (
+        f"an oracle helper module changed: set kernels.HELPERS_DIGEST = "
+        f"{digest.hexdigest()[:16]!r} (editing kernels.py makes numba recompile the passes)"
+    )

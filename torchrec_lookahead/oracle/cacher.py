@@ -46,14 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from torchrec_lookahead.oracle.kernels import (
-    RESIDENT,
-    ROW,
-    SLOT,
-    emit_step,
-    enter_batch,
-    prepare_batch,
-)
+from torchrec_lookahead.oracle.kernels import emit_step, enter_batch, prepare_batch
+from torchrec_lookahead.oracle.records import RESIDENT, ROW, SLOT
 from torchrec_lookahead.oracle.slots import grow_rings, grow_rows, grow_slots, new_state
 from torchrec_lookahead.settings import check_count
 from torchrec_lookahead.types import CachePlan, CachePlanner
@@ -277,7 +271,7 @@ class OracleCacher(CachePlanner[PreparedBatch]):
 
         With ``parts > 1`` this oracle plans hash partition ``part`` of a table
         of ``id_limit`` rows (``None``: unknown): it takes only the batch's ids
-        of that partition (``oracle_kernels.split_of``), as rows ``id // parts``.
+        of that partition (``oracle.partitions.split_of``), as rows ``id // parts``.
         """
         step = self._steps_pushed
         where = f"step {step}"

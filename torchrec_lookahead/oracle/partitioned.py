@@ -2,7 +2,7 @@
 
 :class:`PartitionedOracle` has the interface of
 :class:`~torchrec_lookahead.oracle.OracleCacher`. It spreads the id space
-over ``K`` partitions with a fixed hash (``oracle_kernels.split_of``: hot rows
+over ``K`` partitions with a fixed hash (``oracle.partitions.split_of``: hot rows
 spread, and each partition's rows stay dense), gives each its own
 :class:`OracleCacher` with a contiguous range of the slots (shares differ by
 at most one), and runs the partitions concurrently, one thread each: their
@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from torchrec_lookahead.oracle.cacher import OracleCacher, PreparedBatch, as_int64
-from torchrec_lookahead.oracle.kernels import global_ids, place
+from torchrec_lookahead.oracle.partitions import global_ids, place
 from torchrec_lookahead.types import CachePlan, CachePlanner
 
 __all__ = ["PartitionedBatch", "PartitionedOracle"]
@@ -63,7 +63,7 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
     Args: those of :class:`OracleCacher` (``row_table`` is called once per
     partition), and ``partitions`` (``K``), at most
     ``capacity``. Partition ``p`` owns slots ``offsets[p] .. offsets[p + 1] - 1``
-    and the ids ``i`` with ``oracle_kernels.split_of(i, K) == p``; a grown
+    and the ids ``i`` with ``oracle.partitions.split_of(i, K) == p``; a grown
     cache's new slots are numbered after the old ones, so each partition owns
     a share of them too.
     """

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from torchrec_lookahead.oracle.kernels import FREE_GROUPS, GROUPS, NEVER, ROW_FIELDS, SLOT_FIELDS
+from torchrec_lookahead.oracle.records import FREE_GROUPS, GROUPS, NEVER, ROW_FIELDS, SLOT_FIELDS
 
 __all__ = ["GroupHeap", "OracleState", "grow_rings", "grow_rows", "grow_slots", "new_state"]
 
@@ -36,7 +36,7 @@ class GroupHeap(NamedTuple):
 
 
 class OracleState(NamedTuple):
-    """All of one oracle's planning state (field meanings: ``oracle_kernels``)."""
+    """All of one oracle's planning state (field meanings: ``oracle.records``)."""
 
     rows: np.ndarray  # int64 (table rows, ROW_FIELDS): one record per row
     slots: np.ndarray  # int64 (capacity, SLOT_FIELDS): one record, one cache line, per slot

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import torchrec_lookahead.streams as streams
-from torchrec_lookahead.oracle.kernels import ROW_FIELDS
+from torchrec_lookahead.oracle.records import ROW_FIELDS
 from torchrec_lookahead.store.files import StoreFiles
 
 __all__ = ["ORACLE_ROW_BYTES", "HostStore", "MmapStore"]
