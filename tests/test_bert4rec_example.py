@@ -216,6 +216,7 @@ def test_trains_on_a_movielens_ratings_file(tmp_path: Path) -> None:
         (["1::2::3::4", "1::2::3"], [], 1, "ratings.dat line 2: expected UserID::MovieID"),
         (["1::2::x::4"], [], 1, "line 1: expected UserID::MovieID::Rating::Timestamp"),
         (["1::2::3::4", "1::5::3::6"], ["--min_user_count", "3"], 1, "no user has 3 ratings"),
+        ([], ["--min_user_count", "2"], 1, "too few users (1) for one global batch of 64 users"),
         ([], ["--max_len", "1"], 2, "--max_len must be at least 2"),
         ([], ["--emb_dim", "18", "--nhead", "2"], 2, "--emb_dim must be a multiple of 4"),
         ([], ["--mask_prob", "1"], 2, "--mask_prob must be in (0, 1)"),

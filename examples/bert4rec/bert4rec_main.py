@@ -110,7 +110,7 @@ def train(
 ) -> Run:
     """--num_epochs passes over the users (at most --limit_train_batches steps) through
     ``name``'s pipeline."""
-    available = train_steps(history, args.train_batch_size * world_size, args.num_epochs)
+    available = train_steps(history, args.train_batch_size, world_size, args.num_epochs)
     total = min(args.limit_train_batches or available, available)
     run = Run(name, steps_asked=args.limit_train_batches)
     lookahead = name == "lookahead"
@@ -242,14 +242,17 @@ def evaluate(
 def run(args: argparse.Namespace) -> int:
     if args.baseline:
         deterministic_cuda()  # before any CUDA work; FBGEMM's backward order is fixed then
-    history = histories(args)  # bad data fails here, on every rank, before any collective
+    # Bad data fails here, on every rank, before any collective.
+    history = histories(args)
+    available = train_steps(
+        history, args.train_batch_size, int(os.environ.get("WORLD_SIZE", "1")), args.num_epochs
+    )
     rank, world_size, device = init_distributed()
     models = [("lookahead", *build(args, lookahead=True, world_size=world_size, device=device))]
     if args.baseline:
         base = build(args, lookahead=False, world_size=world_size, device=device)
         models[0][1].load_state_dict(base[0].state_dict())  # the same weights: a checkpoint
         models.append(("baseline", *base))
-    available = train_steps(history, args.train_batch_size * world_size, args.num_epochs)
     if (args.limit_train_batches or 0) > available and rank == 0:
         print(
             f"warning: --limit_train_batches {args.limit_train_batches}: {args.num_epochs} "

@@ -173,9 +173,16 @@ def read_ratings(folder: str | Path, min_rating: int = 0, min_user_count: int = 
     return History(np.concatenate(pieces), offsets, len(movies))
 
 
-def train_steps(history: History, global_batch: int, epochs: int) -> int:
-    """Global steps in ``epochs`` passes over the users (a last partial batch is dropped)."""
-    return history.num_users // global_batch * epochs
+def train_steps(history: History, batch_size: int, world_size: int, epochs: int) -> int:
+    """Global steps in ``epochs`` passes over the users, ``batch_size`` per rank (a last
+    partial batch is dropped); ``DataError`` if the users fill no global batch."""
+    steps = history.num_users // (batch_size * world_size) * epochs
+    if not steps:
+        raise DataError(
+            f"too few users ({history.num_users}) for one global batch of {batch_size} "
+            f"users per rank x {world_size} ranks; lower --train_batch_size"
+        )
+    return steps
 
 
 def train_batches(
@@ -192,11 +199,6 @@ def train_batches(
     after pass, ``batch_size`` per rank; rank ``r`` takes the ``r``-th share of each
     global batch."""
     per_epoch = history.num_users // (batch_size * world_size)
-    if per_epoch == 0:
-        raise DataError(
-            f"{history.num_users} users hold no global batch of {batch_size} per rank x "
-            f"{world_size} ranks"
-        )
     for step in range(steps):
         epoch, within = divmod(step, per_epoch)
         first = (within * world_size + rank) * batch_size
