@@ -113,9 +113,8 @@ def train(
     available = train_steps(history, args.train_batch_size, world_size, args.num_epochs)
     total = min(args.limit_train_batches or available, available)
     run = Run(name, steps_asked=args.limit_train_batches)
-    lookahead = name == "lookahead"
     pipeline: LookaheadTrainPipeline | TrainPipelineSparseDist
-    if lookahead:
+    if name == "lookahead":
         pipeline = LookaheadTrainPipeline(
             dmp,
             optimizer,
@@ -153,9 +152,10 @@ def train(
             run.samples += args.train_batch_size * world_size
             if step % 20 == 0:  # the cache counters are summed over tables: not every step
                 postfix = {"samples/s": f"{args.train_batch_size * world_size / elapsed:,.0f}"}
-                cache = pipeline.cache_metrics()["total"] if lookahead else None
-                if cache and cache.unique_ids:  # (rank 0's shards; it may own none)
-                    postfix["hit rate"] = f"{cache.hit_rate:.3f}"
+                if isinstance(pipeline, LookaheadTrainPipeline):
+                    cache = pipeline.cache_metrics()["total"]
+                    if cache.unique_ids:  # (rank 0's shards; it may own none)
+                        postfix["hit rate"] = f"{cache.hit_rate:.3f}"
                 bar.set_postfix(postfix)
             bar.update()
     bar.close()
