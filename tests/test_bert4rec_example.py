@@ -151,8 +151,9 @@ def ratings_file(folder: Path, lines: list[str]) -> Path:
     return folder
 
 
-# Users 7 and 3 (7 rates first), out of time order in the file; user 5 has one rating
-# left after the low one is dropped; movie ids sparse.
+# Users 7 and 3 (7 rates first), out of time order in the file, 7 rating two movies at
+# one time (file order between them); user 5 has one rating left after the low one is
+# dropped; movie ids sparse.
 RATINGS = [
     "7::500::4::1000",
     "3::20::5::1300",
@@ -162,6 +163,7 @@ RATINGS = [
     "5::30::1::900",
     "5::20::4::950",
     "3::999::2::1200",
+    "7::999::4::1200",
 ]
 
 
@@ -170,12 +172,60 @@ def test_movielens_ratings_become_time_ordered_histories_of_dense_ids(tmp_path: 
     history = data.read_ratings(ratings_file(tmp_path / "ml", RATINGS), min_user_count=2)
     assert history.num_items == 4  # movies 20, 30, 500, 999 as 0..3
     assert history.num_users == 3  # by first rating: 5 (900), 7 (1000), 3 (1100)
-    assert [history.of(u).tolist() for u in range(3)] == [[1, 0], [2, 0, 1], [2, 3, 0]]
+    assert [history.of(u).tolist() for u in range(3)] == [[1, 0], [2, 0, 1, 3], [2, 3, 0]]
     kept = data.read_ratings(tmp_path / "ml", min_rating=3, min_user_count=2)
-    assert kept.num_items == 3 and [kept.of(u).tolist() for u in range(kept.num_users)] == [
-        [2, 0, 1],
-        [2, 0],
-    ]  # user 5 has one rating of 3 or more; movie 999's only rating is a 2
+    # User 5 has one rating of 3 or more; user 3's rating of movie 999 is a 2.
+    assert kept.num_users == 2
+    assert [kept.of(u).tolist() for u in range(2)] == [[2, 0, 1, 3], [2, 0]]
+
+
+def test_a_global_step_holds_the_same_samples_at_any_world_size() -> None:
+    """Two ranks of 8 users read, together, what one rank of 16 reads: the same users,
+    the same masks (drawn from the seed, the epoch and the user)."""
+    data = example_module("data")
+    spec = data.SyntheticSpec(200, 500, 1.1, 20.0, 4, 30, seed=3)
+    history = data.synthetic_histories(spec)
+    assert history.num_users == 200 and history.items.max() < 500
+    steps = data.train_steps(history, 16, 1, 2)  # two epochs: 12 steps each
+    assert steps == 24 == data.train_steps(history, 8, 2, 2)
+
+    def read(batch_size: int, rank: int, world_size: int) -> list:
+        return list(data.train_batches(history, batch_size, rank, world_size, 10, 0.2, 0, steps))
+
+    whole = read(16, 0, 1)
+    halves = zip(read(8, 0, 2), read(8, 1, 2))
+    for one, (first, second) in zip(whole, halves, strict=True):
+        features = one.sparse_features
+        assert features.values().tolist() == (
+            first.sparse_features.values().tolist() + second.sparse_features.values().tolist()
+        )
+        assert features.lengths().tolist() == (
+            first.sparse_features.lengths().tolist() + second.sparse_features.lengths().tolist()
+        )
+        assert one.labels.tolist() == first.labels.tolist() + second.labels.tolist()
+        masked = one.labels != data.NOT_A_TARGET
+        assert masked.any(dim=1).all()  # every sample has an item to predict
+    assert not all(
+        a.labels.equal(b.labels) for a, b in zip(whole[:12], whole[12:])
+    )  # each epoch draws its own masks
+
+
+def test_synthetic_popularity_is_skewed_and_drifts() -> None:
+    data = example_module("data")
+    spec = data.SyntheticSpec(4000, 5000, 1.1, 50.0, 4, 30, seed=0)
+    history = data.synthetic_histories(spec)
+    assert history.of(0).size >= 4 and history.num_items == 5000
+    again = data.synthetic_histories(spec)
+    assert np.array_equal(history.items, again.items)  # deterministic
+
+    def top(users: range) -> set[int]:
+        counts = np.bincount(np.concatenate([history.of(u) for u in users]), minlength=5000)
+        return set(np.argsort(counts)[-10:].tolist())
+
+    first, last = top(range(1000)), top(range(3000, 4000))
+    counts = np.bincount(history.items, minlength=5000)
+    assert np.sort(counts)[-50:].sum() > 0.2 * counts.sum()  # a few items take many lookups
+    assert len(first & last) < 5  # the hot items of early and late users differ
 
 
 def test_trains_on_a_movielens_ratings_file(tmp_path: Path) -> None:
@@ -192,11 +242,13 @@ def test_trains_on_a_movielens_ratings_file(tmp_path: Path) -> None:
         "--dataset_path",
         str(folder),
         "--train_batch_size",
-        "16",
+        "32",
         "--test_batch_size",
         "64",
         "--emb_dim",
         "16",
+        "--num_layers",
+        "1",
         "--lookahead",
         "2",
         "--baseline",
@@ -205,7 +257,7 @@ def test_trains_on_a_movielens_ratings_file(tmp_path: Path) -> None:
     assert summary is not None and summary["weights_match"] is True
     config = summary["config"]
     assert (config["num_users"], config["num_items"]) == (history.num_users, history.num_items)
-    assert summary["steps_run"] == history.num_users // 16  # one epoch
+    assert summary["steps_run"] == history.num_users // 32  # one epoch
     assert summary["users_evaluated"] == history.num_users
 
 
