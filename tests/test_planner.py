@@ -37,6 +37,7 @@ from torchrec_lookahead import (
     LookaheadEmbeddingBagCollection,
     LookaheadEmbeddingBagCollectionSharder,
     LookaheadEmbeddingCollection,
+    LookaheadEmbeddingCollectionSharder,
 )
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.oracle.misses import oracle_misses
@@ -375,11 +376,15 @@ def test_a_sequence_tables_statistics_are_its_modules_misses_step_for_step() -> 
         assert np.array_equal(distinct, [len(np.unique(i)) for i in ids])
 
 
-def test_plans_for_a_sequence_table_carry_the_proposed_cache_size() -> None:
+@pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
+def test_plans_for_a_sequence_table_carry_the_proposed_cache_size(lookahead: bool) -> None:
     """The planner sizes a sequence table (``EmbeddingConfig``) from its statistics: the
     proposal starts at its floor and stays in the budget, and every sharding option
-    TorchRec's enumerator makes for an ``EmbeddingCollection`` holding it, and the plan,
-    carry the proposed load factor and the statistics."""
+    TorchRec's enumerator makes for an ``EmbeddingCollection`` (or a
+    ``LookaheadEmbeddingCollection``, with its sharder) holding it, and the plan, carry
+    the proposed load factor and the statistics. The lookahead collection's shards are
+    estimated with the lookahead layout: the cache and the whole table in host memory
+    on a CPU topology."""
     ids = [b.sparse_features["history"].values().numpy() for b in history_batches(24)]
     stats = {"item": LookaheadCacheStatistics(ids, ITEMS.num_embeddings, 4, 1, "item")}
     cost = TableCacheCost("item", 6000, 8, 0, stats["item"])
@@ -396,13 +401,26 @@ def test_plans_for_a_sequence_table_carry_the_proposed_cache_size() -> None:
     clf = proposal.load_factors["item"]
     assert stats["item"].min_load_factor <= clf <= 0.5
     assert proposal.device_bytes["item"] == cost.device_bytes(clf) <= budget
-    collection = EmbeddingCollection([ITEMS], device=torch.device("meta"))
-    options = planner.enumerator.enumerate(collection, [EmbeddingCollectionSharder()])
+    meta = torch.device("meta")
+    if lookahead:
+        collection = LookaheadEmbeddingCollection([ITEMS], device=meta)
+        sharder = LookaheadEmbeddingCollectionSharder()
+    else:
+        collection, sharder = (
+            EmbeddingCollection([ITEMS], device=meta),
+            EmbeddingCollectionSharder(),
+        )
+    options = planner.enumerator.enumerate(collection, [sharder])
     assert options
     for option in options:
         assert option.cache_params is not None and option.cache_params.load_factor == clf
         assert option.cache_params.stats.min_rows == stats["item"].min_rows
-    plan = planner.plan(HistoryModel(collection), [EmbeddingCollectionSharder()])
+        if lookahead:  # each shard its share of the cache and of the table, rounded down
+            whole = cost.device_bytes(clf) + cost.host_bytes()
+            assert all(shard.storage.hbm == 0 for shard in option.shards)
+            ddr = sum(shard.storage.ddr for shard in option.shards)
+            assert whole - len(option.shards) < ddr <= whole, option.sharding_type
+    plan = planner.plan(HistoryModel(collection), [sharder])
     (sharding,) = next(iter(plan.plan.values())).values()
     assert sharding.cache_params.load_factor == clf
     assert "item" in plan_report(plan, proposal)
