@@ -20,7 +20,7 @@ from torchrec_lookahead import LookaheadTrainPipeline
 from torchrec_lookahead.cache.table import CacheTable
 
 DATA = batches(30)
-THREADS = ("lookahead-stage", "lookahead-executor")
+THREADS = ("lookahead-stage", "lookahead-executor", "lookahead-reader")
 
 
 def pipeline_for(model, lookahead: int = 4, threaded: bool = True) -> LookaheadTrainPipeline:
@@ -49,10 +49,19 @@ def test_batches_are_planned_on_the_stage_thread_or_inline(live_threads, threade
         return prepare(features, step, refusal)
 
     model.unweighted.prepare = spy
-    pipeline, it = pipeline_for(model, threaded=threaded), iter(DATA)
+    read_on = set()
+
+    def loader():  # where the batches are read (and checked, and moved)
+        for batch in DATA:
+            read_on.add(threading.current_thread().name)
+            yield batch
+
+    pipeline, it = pipeline_for(model, threaded=threaded), loader()
     for _ in range(5):
         pipeline.progress(it)
     assert planned_on == {"lookahead-stage" if threaded else threading.main_thread().name}
+    # Inline (as on CUDA), the trainer's thread only plans: a thread of the stage's reads.
+    assert read_on == {"lookahead-stage" if threaded else "lookahead-reader"}
     pipeline.close()
     assert live_threads() == []
 

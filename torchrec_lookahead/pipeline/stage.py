@@ -10,6 +10,12 @@ the window of. The trainer thread only takes batches off the queue in order
 and applies their plans. The oracle's inner loops release the GIL, so
 planning runs beside the step's compute.
 
+Inline (as on CUDA, where each rank's collectives must be issued by one
+thread), the reading still runs on a thread of its own: the loader, the
+checks on the host batch and its copy to the device are off the trainer's
+thread, which only distributes and plans batches already checked and on their
+way to the device (:class:`_Reader`).
+
 A batch that the check or a module refuses (``ValueError``, which
 :class:`~torchrec_lookahead.checks.BatchTypeError` is too) changes nothing and is
 queued as that error, in its place; any other error ends the stage and is queued
@@ -92,6 +98,7 @@ class LookaheadStage:
         self._lane = streams.new_stream(device, "stage")  # its own stream (none on the CPU)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reader: _Reader | None = None  # inline: the reading thread
         self._iter: Iterator[Any] | None = None
         # Batches that entered the window: the step of the next one. The stage numbers the
         # steps; every other part takes a step's number from its context.
@@ -110,11 +117,14 @@ class LookaheadStage:
         if self.threaded:
             self._thread = threading.Thread(target=self._run, name="lookahead-stage", daemon=True)
             self._thread.start()
+        else:
+            self._reader = _Reader(self._read, self._stop)
 
     def get(self) -> StageItem:
         """The next item, in data order (blocks until the thread has one)."""
         if not self.threaded:
-            return self._next_item()
+            assert self._reader is not None, "start() first"
+            return self._plan(*self._reader.get())
         assert self._thread is not None, "start() first"
         while True:
             try:
@@ -141,6 +151,8 @@ class LookaheadStage:
             self._queue.get_nowait()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
+        if self._reader is not None:
+            self._reader.close()
 
     # ------------------------------------------------------------ the thread
 
@@ -155,22 +167,41 @@ class LookaheadStage:
 
     def _next_item(self) -> StageItem:
         """Read and plan the next batch; the end of data and errors become items."""
+        return self._plan(*self._read())
+
+    def _read(self) -> tuple[Any, ValueError | None, BaseException | None]:
+        """The next batch, checked on the host and on its way to the device, with the
+        check's refusal; or the reading's error (``StopIteration`` at the end of the data).
+        It may run ahead of the planning (inline, on the reader's thread), so messages name
+        the step by :data:`_STEP`, which :meth:`_plan` fills in."""
         assert self._iter is not None, "start() first"
         try:
             batch = next(self._iter)
-        except StopIteration:
+            refusal = None
+            try:
+                check_batch(batch, self._features, _STEP, self._rows)
+            except ValueError as error:  # voted on by the modules (DMP: on every rank)
+                refusal = error
+            if refusal is None:
+                with self._lane.context():  # copied on the stage's stream, beside the trainer's
+                    batch = batch.to(self._device, non_blocking=True)
+            return batch, refusal, None
+        except (StopIteration, Exception) as error:  # the trainer raises it with its step
+            return None, None, error
+
+    def _plan(
+        self, batch: Any, refusal: ValueError | None, failure: BaseException | None
+    ) -> StageItem:
+        """Let a read batch into the window (or its refusal be voted on) and plan it; the
+        end of the data finishes the window."""
+        if isinstance(failure, StopIteration):
             return self._finish()
-        except Exception as error:  # the trainer raises it with its step
-            return StageItem(error=_at_step(error, self._entered, "reading"))
-        refusal = None
-        try:
-            check_batch(batch, self._features, f"step {self._entered}", self._rows)
-        except ValueError as error:  # voted on by the modules (DMP: on every rank)
-            refusal = error
+        if failure is not None:
+            return StageItem(error=_at_step(failure, self._entered, "reading"))
+        if refusal is not None:
+            refusal = _named(refusal, f"step {self._entered}")
         try:
             with self._lane.context():  # the stage's device work, beside the trainer's
-                if refusal is None:
-                    batch = batch.to(self._device, non_blocking=True)
                 item = self._enter(batch, refusal)
             item.ready = self._lane.record()
             if item.context is not None:
@@ -226,6 +257,62 @@ class LookaheadStage:
             except queue.Full:
                 continue
         return False
+
+
+class _Reader:
+    """Runs a stage's reading (``read``: the loader, the host checks, the copy to the
+    device) on a thread of its own, a few batches ahead, for a stage that plans inline
+    on the trainer's thread. Reads stop at the end of the data, at a reading error, or
+    when ``stop`` is set."""
+
+    def __init__(self, read: Any, stop: threading.Event) -> None:
+        self._read = read
+        self._stop = stop
+        self._queue: queue.Queue[tuple[Any, ValueError | None, BaseException | None]] = queue.Queue(
+            maxsize=QUEUE_DEPTH
+        )
+        self._thread = threading.Thread(target=self._run, name="lookahead-reader", daemon=True)
+        self._thread.start()
+
+    def get(self) -> tuple[Any, ValueError | None, BaseException | None]:
+        """The next read batch, in data order (blocks until the thread has one)."""
+        while True:
+            try:
+                return self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("the lookahead reader stopped without a word") from None
+
+    def close(self) -> None:
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)  # no OpenMP team beside the trainer's
+        while not self._stop.is_set():
+            read = self._read()
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(read, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if read[2] is not None:  # the end of the data, or a reading error
+                return
+
+
+# The step a check's message names, filled in when the batch is planned (the reading may
+# run ahead of the planning, and a batch refused on any rank takes no step).
+_STEP = "step \x00"
+
+
+def _named(refusal: ValueError, step: str) -> ValueError:
+    """``refusal`` (of its own type: ``BatchTypeError`` stays one) naming ``step``."""
+    named = type(refusal)(str(refusal).replace(_STEP, step))
+    named.__cause__ = refusal.__cause__
+    return named
 
 
 def _at_step(error: BaseException, step: int, doing: str) -> RuntimeError:

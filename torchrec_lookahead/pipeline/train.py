@@ -53,7 +53,8 @@ class LookaheadTrainPipeline(TrainPipeline):
     CPU), which takes only the cycles the trainer leaves idle (see
     :mod:`~torchrec_lookahead.pipeline.stage`), or inline on the trainer's (``False``;
     the default on CUDA, where NCCL wants each rank's collectives issued by one thread:
-    :func:`stage_on_thread`).
+    :func:`stage_on_thread`). Inline, the reading (the loader, the checks on the host
+    batch, its copy to the device) still runs on a thread of the stage's.
 
     The first ``progress`` binds the data iterator; the stage reads it until it
     ends. A batch that cannot be planned (malformed, see
