@@ -55,7 +55,14 @@ TOP_K = 10  # Recall@10 and NDCG@10
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
-    """torchrun's process group, or a one-process group; gloo on CPU, NCCL on CUDA."""
+    """torchrun's process group, or a one-process group; gloo on CPU, NCCL on CUDA.
+
+    On the CPU each rank computes on one thread. The model's operations are small (a
+    batch is 64 sequences of 20 rows of 32), so a second thread of torch's pool saves
+    little and waits at every operation for its partner, which on a busy machine may
+    not be running: on the 2-core machine, loaded by other jobs, a step took 58 ms on
+    one thread and 1.1-1.4 s on two (2026-11-27). The other core is left to the
+    lookahead stage and the row moves."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -69,7 +76,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+        torch.set_num_threads(1)
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size(), device
 
