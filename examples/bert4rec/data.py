@@ -136,25 +136,16 @@ def read_ratings(folder: str | Path, min_rating: int = 0, min_user_count: int = 
     equal times). Raises ``DataError`` naming the line of a malformed rating."""
     path = Path(folder) / "ratings.dat"
     if not path.is_file():
-        raise DataError(f"{path}: no such file (MovieLens ratings, UserID::MovieID::Rating::Time)")
-    rows = []
-    with path.open(encoding="latin-1") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            fields = line.rstrip("\r\n").split("::")
-            try:
-                if len(fields) != 4:
-                    raise ValueError
-                rows.append([int(f) for f in fields])
-            except ValueError:
-                raise DataError(
-                    f"{path} line {number}: expected UserID::MovieID::Rating::Timestamp "
-                    f"(integers), got {line.strip()[:80]!r}"
-                ) from None
-    if not rows:
+        raise DataError(
+            f"{path}: no such file (MovieLens ratings: UserID::MovieID::Rating::Timestamp)"
+        )
+    text = path.read_text(encoding="latin-1")
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
         raise DataError(f"{path}: holds no ratings")
-    table = np.array(rows, dtype=np.int64)
+    table = parsed(lines)
+    if table is None:
+        raise malformed(path, text)
     table = table[table[:, 2] >= min_rating]
     users, per_user = np.unique(table[:, 0], return_counts=True)
     kept = users[per_user >= max(min_user_count, 2)]
@@ -171,6 +162,31 @@ def read_ratings(folder: str | Path, min_rating: int = 0, min_user_count: int = 
     pieces = [items[starts[u] : starts[u] + counts[u]] for u in by_first_rating]
     offsets = np.concatenate([[0], np.cumsum(counts[by_first_rating])])
     return History(np.concatenate(pieces), offsets, len(movies))
+
+
+def parsed(lines: list[str]) -> np.ndarray | None:
+    """``[N, 4]`` integers from lines of four ``::``-separated integers, or None if a line
+    is not one (all lines parsed at once: ml-1m has a million)."""
+    if any(line.count("::") != 3 for line in lines):
+        return None
+    fields = "\n".join(lines).replace("::", "\n").split("\n")
+    if len(fields) != 4 * len(lines):
+        return None
+    try:
+        return np.array(fields, dtype=np.int64).reshape(-1, 4)
+    except ValueError:  # an empty field, a word, a number with a fraction
+        return None
+
+
+def malformed(path: Path, text: str) -> DataError:
+    """The error naming the first line of ``text`` that is not a rating."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip() and parsed([line]) is None:
+            return DataError(
+                f"{path} line {number}: expected UserID::MovieID::Rating::Timestamp "
+                f"(integers), got {line.strip()[:80]!r}"
+            )
+    raise AssertionError("parsed() refused lines that each parse")
 
 
 def train_steps(history: History, batch_size: int, world_size: int, epochs: int) -> int:
