@@ -87,13 +87,12 @@ def run(tmp: Path, *flags: str, ranks: int = 1) -> tuple[int, str, str, dict | N
         _rank, (argv, ranks, free_port(), str(logs)), nprocs=ranks, start_method="forkserver"
     )
     codes = [int((logs / f"rc{r}").read_text()) for r in range(ranks)]
-    text = [(logs / n).read_text() if (logs / n).exists() else "" for n in ("stdout", "stderr")]
-    summary = out / "summary.json"
-    return (
-        next((c for c in codes if c), 0),
-        *text,
-        json.loads(summary.read_text()) if summary.exists() else None,
+    stdout, stderr = (
+        (logs / n).read_text() if (logs / n).exists() else "" for n in ("stdout", "stderr")
     )
+    summary = out / "summary.json"
+    loaded = json.loads(summary.read_text()) if summary.exists() else None
+    return next((c for c in codes if c), 0), stdout, stderr, loaded
 
 
 def row(stdout: str, label: str) -> str:
