@@ -76,7 +76,8 @@ from common import machine  # noqa: E402
 from torchrec_lookahead.cache.pools import slot_pools  # noqa: E402
 from torchrec_lookahead.data import SyntheticCriteo  # noqa: E402
 from torchrec_lookahead.oracle import OracleCacher  # noqa: E402
-from torchrec_lookahead.types import CachePlan, CacheSizing  # noqa: E402
+from torchrec_lookahead.oracle.contract import CachePlan  # noqa: E402
+from torchrec_lookahead.settings import CacheSizing  # noqa: E402
 
 POLICIES = ("lookahead", "lru", "fbgemm-lru", "fbgemm-lru-no-prefetch")
 BASELINE = "fbgemm-lru"

@@ -317,7 +317,7 @@ def run_unsharded(args: argparse.Namespace) -> dict:
         parts,
         pipeline,
         same,
-        sum(collection.cached_groups[0].cache_rows),
+        sum(collection.cached_groups[0].pool_slots),
         sum(t.num_embeddings for t in tables),
     )
 
@@ -397,7 +397,7 @@ def dmp_worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
     drain(pipeline, it)
     same = _same_local_state(base.state_dict(), look.state_dict())
     sharded = [m for m in look.modules() if hasattr(m, "cached_groups")][0]
-    rank_cache_rows = sum(sum(g.cache_rows) for g in sharded.cached_groups)
+    rank_cache_rows = sum(sum(g.pool_slots) for g in sharded.cached_groups)
     report = summarise(
         args,
         base_times,

@@ -73,12 +73,12 @@ class TableCacheCost:
     def row_bytes(self) -> int:
         return 4 * (self.dim + self.state_floats)
 
-    def cache_rows(self, load_factor: float) -> int:
+    def slots_at(self, load_factor: float) -> int:
         """The rows the module caches at ``load_factor`` (its statistics' sizing)."""
         return self.stats.capacity(load_factor)
 
     def device_bytes(self, load_factor: float) -> int:
-        return self.cache_rows(load_factor) * (self.row_bytes + SLOT_INDEX_BYTES)
+        return self.slots_at(load_factor) * (self.row_bytes + SLOT_INDEX_BYTES)
 
     def host_bytes(self) -> int:
         return self.num_rows * (self.row_bytes + ORACLE_BYTES_PER_ROW)
@@ -88,7 +88,7 @@ class TableCacheCost:
         return self.num_rows * 4 * self.state_floats if self.rowwise_state else 0
 
     def misses_per_step(self, load_factor: float) -> float:
-        effective = self.cache_rows(load_factor) / self.num_rows
+        effective = self.slots_at(load_factor) / self.num_rows
         return self.stats.expected_miss_rate(effective) * self.stats.expected_lookups
 
     def bytes_per_step(self, load_factor: float) -> float:

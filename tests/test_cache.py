@@ -10,9 +10,9 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from torchrec_lookahead.cache.pools import slot_pools
-from torchrec_lookahead.cache.table import CacheTable
+from torchrec_lookahead.cache.slot_cache import SlotCache
+from torchrec_lookahead.oracle.contract import CachePlan
 from torchrec_lookahead.store import HostStore
-from torchrec_lookahead.types import CachePlan
 
 NONE = np.empty(0, np.int64)
 
@@ -43,13 +43,13 @@ def test_a_pools_ids_split_back_into_their_tables_rows() -> None:
 
 
 @pytest.fixture
-def tables() -> tuple[list[torch.Tensor], CacheTable]:
+def tables() -> tuple[list[torch.Tensor], SlotCache]:
     """Two tables (5 and 7 rows of width 4) in one pool of 4 slots, SGD."""
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, 4, generator=generator) for n in (5, 7)]
     store = HostStore([w.clone() for w in weights])
     pools = slot_pools([5, 7], [4, 4], EmbOptimType.EXACT_SGD)
-    cache = CacheTable(pools, [4], [0, 1], EmbOptimType.EXACT_SGD, store, torch.device("cpu"))
+    cache = SlotCache(pools, [4], [0, 1], EmbOptimType.EXACT_SGD, store, torch.device("cpu"))
     return weights, cache
 
 

@@ -57,9 +57,9 @@ from torchrec_lookahead import HotRowsEmbeddingBagCollection, HotRowsEmbeddingBa
 from torchrec_lookahead._compat import fake_store, is_fake
 from torchrec_lookahead.embedding.hot.sharded import HotRowsContext
 from torchrec_lookahead.pipeline.stage import LookaheadStage
+from torchrec_lookahead.settings import WindowSettings
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.stream_check import StreamChecker
-from torchrec_lookahead.types import Window
 
 WORLD = 2
 TABLES = [
@@ -146,7 +146,7 @@ def test_a_batch_with_hot_rows_reaches_the_input_dist_on_cuda(
         )
         env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
         sharded = sharder.shard(module, plan, env, device)
-        sharded.attach(Window(lookahead=2, prefetch_distance=1))
+        sharded.open_window(WindowSettings(lookahead=2, prefetch_distance=1))
         stage = LookaheadStage([sharded], dict.fromkeys(KEYS, False), device, threaded=False)
         stage.start(iter([batch]))
         item = stage.get()

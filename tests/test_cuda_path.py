@@ -58,15 +58,16 @@ from tests.models import (
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
 from torchrec_lookahead._compat import fake_cuda_tensors, fake_store
 from torchrec_lookahead.cache.pools import slot_pools
-from torchrec_lookahead.cache.table import CacheTable
+from torchrec_lookahead.cache.slot_cache import SlotCache
 from torchrec_lookahead.embedding.hot.sharded import HotRowsContext
+from torchrec_lookahead.oracle.contract import CachePlan
 from torchrec_lookahead.pipeline.executor import PlanExecutor
 from torchrec_lookahead.pipeline.stage import LookaheadStage
+from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.stores import HostStore
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.stream_check import StreamChecker
 from torchrec_lookahead.testing.streams import use_deferred_side_streams
-from torchrec_lookahead.types import CachePlan, ModuleInput, StepContext, StepPlan
 
 DATA = batches(16)
 CUDA = torch.device("cuda", 0)
@@ -193,7 +194,7 @@ class PooledCache:
     """A cache of one pool of two tables (rows 0-5 and 6-10 of the pool) on fake CUDA, and
     its store, in host memory or on the device (DMP's UVM store)."""
 
-    cache: CacheTable
+    cache: SlotCache
     store: HostStore
     fake: FakeCuda
     executor: PlanExecutor
@@ -233,7 +234,7 @@ def pooled_cache(store_on_device: bool) -> Iterator[PooledCache]:
             states = [[s.to(CUDA) for s in table] for table in states]
         store = HostStore(weights, pin=True, states=states)
         params = {"learning_rate": 0.1}
-        cache = CacheTable(pools, [4], [0, 1], optimizer, store, CUDA, fbgemm_params=params)
+        cache = SlotCache(pools, [4], [0, 1], optimizer, store, CUDA, fbgemm_params=params)
         executor = PlanExecutor(CUDA)
         try:
             yield PooledCache(cache, store, fake, executor)

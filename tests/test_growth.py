@@ -53,7 +53,7 @@ def test_a_window_wider_than_the_cache_grows_it_and_training_stays_exact(
     assert first and int(first[2]) >= 1.5 * int(first[1]) and int(first[3]) >= 1
     # The rows held now are the grown pools' slots, counted once per table.
     held = sum(
-        group.cache_rows[p]
+        group.pool_slots[p]
         for m in (model.unweighted, model.weighted)
         for group in m.cached_groups
         for p in range(len(group.pools))
@@ -93,4 +93,4 @@ def test_caps_are_checked_against_the_other_settings() -> None:
     with pytest.raises(ValueError, match=r"max_cache_rows\['t0'\] must be at least 8"):
         LookaheadEmbeddingBagCollection(UNWEIGHTED, min_cache_rows=8, max_cache_rows=4)
     capped = LookaheadEmbeddingBagCollection(UNWEIGHTED, max_cache_rows=100)
-    assert capped.cache_rows() == [100, 100, 100]  # 10% of 4000, 1500, 10000 rows, capped
+    assert capped.table_slots() == [100, 100, 100]  # 10% of 4000, 1500, 10000 rows, capped

@@ -27,10 +27,10 @@ THEIRS = ("torch", "torchrec", "fbgemm_gpu")
 # Low to high: a module imports only from lower layers or its own package.
 LAYERS = [
     {"settings", "metrics", "idle"},
-    {"types", "_compat"},
+    {"_compat"},
     {"checks", "variable_batch", "streams", "traffic", "tbe", "determinism", "data"},
     {"oracle"},
-    {"store"},
+    {"store", "steps"},
     {"cache", "pipeline"},
     {"embedding"},
     {"testing"},

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tests.contract import plan_growing, replay
 from tests.test_oracle import tie_breaks, traces
 from torchrec_lookahead import CachePlan, OracleCacher
-from torchrec_lookahead.oracle.partitions import global_ids, split_of
 from torchrec_lookahead.oracle.partitioned import PartitionedOracle
+from torchrec_lookahead.oracle.partitions import global_ids, split_of
 
 
 def share(plan: CachePlan, owned: np.ndarray) -> CachePlan:

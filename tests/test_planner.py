@@ -367,7 +367,7 @@ def test_a_sequence_tables_statistics_are_its_modules_misses_step_for_step() -> 
         train_lookahead(HistoryModel(items), data, 4, 1)
         (group,) = items.cached_groups
         capacity = stats.capacity(clf)
-        assert group.cache_rows == [capacity] == [max(stats.min_rows, round(clf * 6000))]
+        assert group.pool_slots == [capacity] == [max(stats.min_rows, round(clf * 6000))]
         distinct, misses = (
             np.array([group.step_counts[s][k][0] for s in range(24)]) for k in (0, 1)
         )

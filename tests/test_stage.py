@@ -17,7 +17,7 @@ from tests.models import (
     train_reference,
 )
 from torchrec_lookahead import LookaheadTrainPipeline
-from torchrec_lookahead.cache.table import CacheTable
+from torchrec_lookahead.cache.slot_cache import SlotCache
 
 DATA = batches(30)
 THREADS = ("lookahead-stage", "lookahead-executor", "lookahead-reader")
@@ -143,13 +143,13 @@ def test_the_stage_thread_yields_the_cores_to_the_trainer(live_threads, monkeypa
     model = lookahead_model("sgd", cache_load_factor=0.1)
     seen, moved = set(), set()
     prepare = model.unweighted.prepare
-    apply = CacheTable.apply
+    apply = SlotCache.apply
 
     def spy_apply(self, pool, plan):
         moved.add((threading.current_thread().name, torch.get_num_threads()))
         return apply(self, pool, plan)
 
-    monkeypatch.setattr(CacheTable, "apply", spy_apply)
+    monkeypatch.setattr(SlotCache, "apply", spy_apply)
 
     def spy(features, step, refusal=None):
         seen.add(
@@ -192,13 +192,12 @@ def test_the_stage_runs_inline_on_cuda_unless_asked() -> None:
 
 
 def test_a_window_checks_its_settings() -> None:
-    from torchrec_lookahead.settings import SettingTypeError
-    from torchrec_lookahead.types import Window
+    from torchrec_lookahead.settings import SettingTypeError, WindowSettings
 
-    assert Window(4, 0).planning_workers == 1
+    assert WindowSettings(4, 0).planning_workers == 1
     with pytest.raises(ValueError, match="lookahead must be at least 1"):
-        Window(0, 1)
+        WindowSettings(0, 1)
     with pytest.raises(SettingTypeError, match="prefetch_distance must be an integer"):
-        Window(4, 1.5)
+        WindowSettings(4, 1.5)
     with pytest.raises(ValueError, match="planning_workers must be at least 1"):
-        Window(4, 1, 0)
+        WindowSettings(4, 1, 0)

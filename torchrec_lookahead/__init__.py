@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import OracleCacher, PartitionedOracle
-from torchrec_lookahead.types import CachePlan
+from torchrec_lookahead.oracle.contract import CachePlan
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from torchrec_lookahead.checks import BatchTypeError

@@ -55,9 +55,9 @@ from torchrec_lookahead import LookaheadTrainPipeline
 from torchrec_lookahead.data.criteo import DayFiles, find_days
 from torchrec_lookahead.data.npy import DataError
 from torchrec_lookahead.determinism import deterministic_cuda
+from torchrec_lookahead.steps import LookaheadModule
 from torchrec_lookahead.store.files import anonymous_rss_bytes
 from torchrec_lookahead.traffic import CollectiveBytes
-from torchrec_lookahead.types import LookaheadModule
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -359,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     digest = weights_digest(models[0][1])
     sharded = [m for _, dmp, _ in models for m in dmp.modules() if isinstance(m, LookaheadModule)]
     cached = torch.tensor(
-        [sum(sum(g.cache_rows) for m in sharded for g in m.cached_groups)], device=device
+        [sum(sum(g.pool_slots) for m in sharded for g in m.cached_groups)], device=device
     )
     dist.all_reduce(cached)  # every rank caches only its own shards
     if rank == 0:

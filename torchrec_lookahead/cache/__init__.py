@@ -1,6 +1,6 @@
 """The device cache: slot pools, the cache TBE, and a group of tables cached behind it."""
 
-from torchrec_lookahead.cache.table import CacheTable
-from torchrec_lookahead.cache.tables import CachedTables
+from torchrec_lookahead.cache.group import CacheGroup
+from torchrec_lookahead.cache.slot_cache import SlotCache
 
-__all__ = ["CacheTable", "CachedTables"]
+__all__ = ["SlotCache", "CacheGroup"]

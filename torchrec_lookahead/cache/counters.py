@@ -1,6 +1,6 @@
 """What a group's cache did, per table: the counts behind its :class:`CacheMetrics`.
 
-:class:`~torchrec_lookahead.cache.tables.CachedTables` counts each batch as it
+:class:`~torchrec_lookahead.cache.group.CacheGroup` counts each batch as it
 enters the window (ids looked up, distinct ids), each step as its plan is made
 (misses, that is rows fetched; rows written back; bytes moved both ways) and
 each growth of a pool (counted to the table that took the most of it). Each

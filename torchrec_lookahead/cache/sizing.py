@@ -7,7 +7,7 @@ default all its rows). A pool whose window later needs more slots than it
 has grows (:data:`GROWTH`), within the sum of its tables' caps; a window
 that needs more than that is refused before anything changes. The grown
 sizes are the shares of the next window.
-:class:`~torchrec_lookahead.cache.tables.CachedTables` decides when; this
+:class:`~torchrec_lookahead.cache.group.CacheGroup` decides when; this
 module, how much.
 """
 

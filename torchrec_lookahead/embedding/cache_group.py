@@ -3,8 +3,8 @@
 Both hold tables (or this rank's shards of them) of one data type behind one
 cache TBE. :func:`build_cache_group` chooses the store (host memory, or a disk
 store's files), sizes each table's slots from the module's
-:class:`~torchrec_lookahead.types.CacheSizing` and builds the
-:class:`~torchrec_lookahead.cache.tables.CachedTables`; :func:`check_disk_store`
+:class:`~torchrec_lookahead.steps.CacheSizing` and builds the
+:class:`~torchrec_lookahead.cache.group.CacheGroup`; :func:`check_disk_store`
 is the one refusal of a disk store where it cannot serve.
 """
 
@@ -19,10 +19,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torchrec.modules.embedding_configs import DataType
 
 from torchrec_lookahead._compat import TBE_TAKES_HOST_BUFFERS
-from torchrec_lookahead.cache.tables import CachedTables
+from torchrec_lookahead.cache.group import CacheGroup
+from torchrec_lookahead.settings import CacheSizing
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import HostStore, MmapStore
-from torchrec_lookahead.types import CacheSizing
 
 __all__ = ["GroupTable", "build_cache_group", "check_disk_store"]
 
@@ -73,7 +73,7 @@ def build_cache_group(
     data_type: DataType,
     files: StoreFiles | None = None,
     states: Sequence[Sequence[torch.Tensor]] | None = None,
-) -> CachedTables:
+) -> CacheGroup:
     """The cache group of ``tables`` on ``device``, its store their full ``weights``
     (and optimizer ``states``, where a TBE already holds them; else zero state is
     allocated): in host memory, or in ``files`` (a disk store). ``fused_params`` are
@@ -89,7 +89,7 @@ def build_cache_group(
         # On CUDA the tables stay pageable: rows move through pinned staging buffers (the
         # store's), so no table is copied into page-locked memory.
         store = HostStore(weights, pin=device.type == "cuda", states=states)
-    cached = CachedTables(
+    cached = CacheGroup(
         names,
         [t.local_rows for t in tables],
         [t.dim for t in tables],

@@ -5,7 +5,7 @@
 :class:`~torchrec_lookahead.embedding.sequence.LookaheadEmbeddingCollection`
 (unpooled, an ``EmbeddingCollection``) cache their rows the same way: the
 module's own full-table parameters are the store, its tables are cached in a
-:class:`~torchrec_lookahead.cache.tables.CachedTables` group per data type, and
+:class:`~torchrec_lookahead.cache.group.CacheGroup` group per data type, and
 the pipeline drives the groups through the ``LookaheadModule`` protocol. Only
 the lookups' output differs (one row per bag or one row per id, FBGEMM's
 pooling mode), so :class:`CachedCollection` holds everything else and each
@@ -28,13 +28,14 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, Em
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from torchrec_lookahead._compat import in_backward_optimizers
-from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
+from torchrec_lookahead.cache.group import CacheGroup, enter_groups, finish_groups
 from torchrec_lookahead.checks import no_fused_optimizer, not_sharded
 from torchrec_lookahead.embedding.cache_group import GroupTable, build_cache_group, check_disk_store
 from torchrec_lookahead.metrics import CacheMetrics
+from torchrec_lookahead.settings import CacheSizing, WindowSettings
+from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.tbe import check_trained
-from torchrec_lookahead.types import CacheSizing, ModuleInput, StepContext, StepPlan, Window
 from torchrec_lookahead.variable_batch import keep_inverse_indices
 
 __all__ = ["CacheSettings", "CachedCollection", "check_table_kind"]
@@ -152,7 +153,7 @@ class CachedCollection(ModuleBase):
         init_each: bool,
     ) -> None:
         """Set the cache up once the TorchRec base is built (the caches themselves are built
-        at the first ``attach``). ``init_each``: the base runs each table's ``init_fn`` right
+        at the first ``open_window``). ``init_each``: the base runs each table's ``init_fn`` right
         after drawing it (``EmbeddingCollection``), not after drawing every table
         (``EmbeddingBagCollection``): a disk store replays the same order."""
         tables = self.table_configs()
@@ -171,7 +172,7 @@ class CachedCollection(ModuleBase):
         self._lookup = [i for group in self._groups for i in group]
         self._flat_features = [f for i in self._lookup for f in tables[i].feature_names]
         self._group_features = [sum(len(tables[i].feature_names) for i in g) for g in self._groups]
-        self._cached: list[CachedTables] = []  # one per group, built at the first attach
+        self._cached: list[CacheGroup] = []  # one per group, built at the first open_window
         self.input_dist_s = 0.0  # an unsharded module distributes nothing
         if settings.files is not None:
             try:
@@ -189,7 +190,7 @@ class CachedCollection(ModuleBase):
         the TorchRec base builds and initialises them: its ``device`` until then)."""
         return self.__dict__.get("_compute_device") or super().device
 
-    def cache_rows(self) -> list[int]:
+    def table_slots(self) -> list[int]:
         """The slots each table brings to its pool (before any raise at the first batch)."""
         return [
             self.sizing.rows(t.name, t.num_embeddings, t.num_embeddings)
@@ -240,7 +241,7 @@ class CachedCollection(ModuleBase):
         return metrics
 
     @property
-    def cached_groups(self) -> list[CachedTables]:
+    def cached_groups(self) -> list[CacheGroup]:
         """The groups of cached tables, one per data type (once training has started)."""
         return list(self._cached)
 
@@ -248,14 +249,14 @@ class CachedCollection(ModuleBase):
         """Counters per table name."""
         return {t.name: m for t, m in zip(self.table_configs(), self.metrics)}
 
-    def attach(self, window: Window) -> None:
+    def open_window(self, window: WindowSettings) -> None:
         """Get ready to train with a window of ``lookahead`` batches (builds the cache once)."""
         if self._compute_device.type == "meta":
             raise not_sharded(type(self).__name__, "a module on the meta device")
         if not self._cached:
             self._cached = [self._build_cache(tables) for tables in self._groups]
         for group in self._cached:
-            group.attach(window)
+            group.open_window(window)
 
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """This module's features of ``features``, in lookup order (a deduplicated
@@ -275,7 +276,7 @@ class CachedCollection(ModuleBase):
         self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
     ) -> ModuleInput:
         """Check the batch of ``step`` for every table without changing anything (see
-        ``CachedTables``).
+        ``CacheGroup``).
 
         ``refusal`` is the stage's verdict on the batch as a whole (its structure,
         see :mod:`~torchrec_lookahead.checks`): raised as it is.
@@ -283,19 +284,19 @@ class CachedCollection(ModuleBase):
         if refusal is not None:
             raise refusal
         parts = self._group_parts(self.select(features))
-        return ModuleInput([g.prepare(part, step) for g, part in zip(self._attached, parts)])
+        return ModuleInput([g.prepare(part, step) for g, part in zip(self._opened, parts)])
 
     def enter(self, prepared: ModuleInput) -> StepPlan | None:
         """A prepared batch enters the window; returns the plan of a step now complete."""
-        return enter_groups(self._attached, prepared.groups)
+        return enter_groups(self._opened, prepared.groups)
 
     def finish(self) -> list[StepPlan]:
         """End of the data: the steps still to plan, with shorter windows."""
-        return finish_groups(self._attached)
+        return finish_groups(self._opened)
 
     def begin_step(self, context: StepContext) -> None:
         """The next forward runs ``context``'s step (its lookups take the slots from there)."""
-        for group in self._attached:
+        for group in self._opened:
             group.begin_step(context)
 
     def write_back(self) -> None:
@@ -304,9 +305,11 @@ class CachedCollection(ModuleBase):
             group.write_back()
 
     @property
-    def _attached(self) -> list[CachedTables]:
+    def _opened(self) -> list[CacheGroup]:
         if not self._cached:
-            raise RuntimeError("the module trains through a LookaheadTrainPipeline (attach first)")
+            raise RuntimeError(
+                "the module trains through a LookaheadTrainPipeline (open_window first)"
+            )
         return self._cached
 
     def _group_parts(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
@@ -345,7 +348,7 @@ class CachedCollection(ModuleBase):
 
     # ------------------------------------------------------------ internals
 
-    def _build_cache(self, tables: list[int]) -> CachedTables:
+    def _build_cache(self, tables: list[int]) -> CacheGroup:
         """The cache group of ``tables`` (indices; one data type), its store their rows."""
         configs = [self.table_configs()[t] for t in tables]
         return build_cache_group(

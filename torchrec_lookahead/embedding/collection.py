@@ -63,7 +63,7 @@ class LookaheadEmbeddingBagCollection(CachedCollection, EmbeddingBagCollection):
         cache_load_factor: the slots a table brings to its pool, as a share of its rows.
         cache_rows: slots per table name, overriding ``cache_load_factor``. A
             share smaller than what the window touches is raised to that at
-            the first batch (see ``CachedTables.prepare``), and a cache whose
+            the first batch (see ``CacheGroup.prepare``), and a cache whose
             later window needs more slots than it has grows (to 1.5 times its
             slots, or what is needed if more; logged, and counted in
             ``cache_metrics()``: ``growths``, ``cache_rows``), keeping its rows.

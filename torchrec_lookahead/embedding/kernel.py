@@ -35,10 +35,10 @@ from torchrec_lookahead._compat import (
 )
 from torchrec_lookahead.checks import no_fused_optimizer
 from torchrec_lookahead.embedding.cache_group import GroupTable, build_cache_group
+from torchrec_lookahead.settings import CacheSizing
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import ORACLE_ROW_BYTES
 from torchrec_lookahead.tbe import set_learning_rate
-from torchrec_lookahead.types import CacheSizing
 from torchrec_lookahead.variable_batch import (
     tbe_batch_sizes,
 )

@@ -18,8 +18,8 @@ from torchrec_lookahead.embedding.kernel import (
     LookaheadFusedEmbeddingBag,
     LookaheadKernel,
 )
+from torchrec_lookahead.settings import CacheSizing
 from torchrec_lookahead.store.files import StoreFiles
-from torchrec_lookahead.types import CacheSizing
 
 __all__ = [
     "LookaheadLookup",

@@ -23,7 +23,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection, get_embeddin
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from torchrec_lookahead.embedding.cached import CachedCollection, CacheSettings, check_table_kind
-from torchrec_lookahead.types import ModuleInput
+from torchrec_lookahead.steps import ModuleInput
 
 __all__ = ["LookaheadEmbeddingCollection", "jagged_output", "output_places"]
 

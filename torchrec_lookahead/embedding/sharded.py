@@ -28,15 +28,16 @@ from torchrec_lookahead._compat import (
     GatheredOutput,
     ShardedCollectionBase,
 )
-from torchrec_lookahead.cache.tables import CachedTables, enter_groups, finish_groups
+from torchrec_lookahead.cache.group import CacheGroup, enter_groups, finish_groups
 from torchrec_lookahead.embedding.cache_group import check_disk_store
 from torchrec_lookahead.embedding.cached import CachedCollection
 from torchrec_lookahead.embedding.kernel import LookaheadKernel
 from torchrec_lookahead.embedding.lookup import LookaheadLookup, LookaheadPooledEmbeddingsLookup
 from torchrec_lookahead.metrics import CacheMetrics
+from torchrec_lookahead.settings import WindowSettings
+from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.traffic import label
-from torchrec_lookahead.types import ModuleInput, StepContext, StepPlan, Window
 from torchrec_lookahead.variable_batch import gather_bags
 
 __all__ = [
@@ -63,7 +64,7 @@ class ShardedLookaheadModule(ShardedBase):
     will serve; the step's forward later consumes that distributed input.
 
     The stage runs on its own thread, beside the trainer's collectives, so its
-    collectives use a process group of their own (made at ``attach``, by every
+    collectives use a process group of their own (made at ``open_window``, by every
     rank): on the stage's thread this module's input dists are copies of
     TorchRec's bound to that group, while the trainer thread (eval forward)
     keeps TorchRec's own.
@@ -98,7 +99,7 @@ class ShardedLookaheadModule(ShardedBase):
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
         self._context: StepContext | None = None  # the step being run, until its forward
-        # The last batch every rank let through this module's vote since ``attach``: a
+        # The last batch every rank let through this module's vote since ``open_window``: a
         # refused batch's stand-in in the collectives (see ``prepare``).
         self._stand_in: KeyedJaggedTensor | None = None
         self._table_features = {t.name: list(t.feature_names) for t in self.table_configs()}
@@ -137,7 +138,7 @@ class ShardedLookaheadModule(ShardedBase):
     # ----------------------------------------------- driven by the pipeline
 
     @property
-    def cached_groups(self) -> list[CachedTables]:
+    def cached_groups(self) -> list[CacheGroup]:
         return [kernel.cached for kernel in self.kernels]
 
     def input_dists_created(self) -> None:
@@ -149,16 +150,16 @@ class ShardedLookaheadModule(ShardedBase):
         if self._stage_pg is not None and self.input_dists_ready:
             self._stage_input_dists[:] = self.input_dists_on(self._stage_pg)
 
-    def attach(self, window: Window) -> None:
+    def open_window(self, window: WindowSettings) -> None:
         ranks = dist.get_process_group_ranks(self.env.process_group)
-        # A fresh group at every attach (a collective: every rank attaches in the same
+        # A fresh group at every open_window (a collective: every rank attaches in the same
         # order): a pipeline closed mid-stream may leave one rank's stage thread inside a
         # batch's collectives that the other ranks' threads never joined; on a group of its
         # own it cannot meet the next pipeline's collectives.
         self._stage_pg = dist.new_group(ranks=ranks)
         self._bind_stage_input_dists()
         for group in self.cached_groups:
-            group.attach(window)
+            group.open_window(window)
         self._context = None
         self._stand_in = None
 

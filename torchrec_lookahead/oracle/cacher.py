@@ -46,11 +46,11 @@ from typing import Any
 
 import numpy as np
 
+from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
 from torchrec_lookahead.oracle.kernels import emit_step, enter_batch, prepare_batch
 from torchrec_lookahead.oracle.records import RESIDENT, ROW, SLOT
 from torchrec_lookahead.oracle.slots import grow_rings, grow_rows, grow_slots, new_state
 from torchrec_lookahead.settings import check_count
-from torchrec_lookahead.types import CachePlan, CachePlanner
 
 __all__ = [
     "TIE_BREAKS",

@@ -59,7 +59,7 @@ from torchrec_lookahead.oracle.cacher import (
     check_range,
     checked_settings,
 )
-from torchrec_lookahead.types import CachePlan, CachePlanner
+from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
 
 __all__ = ["DeviceOracleCacher", "DevicePlan", "DevicePreparedBatch"]
 
@@ -74,7 +74,7 @@ class DevicePlan:
 
     ``evict_*`` and ``fetch_*`` have the window's width; entries from
     ``num_evict`` / ``num_fetch`` on are padding (``-1``). Apply the evictions,
-    then the fetches, as for a :class:`~torchrec_lookahead.types.CachePlan`.
+    then the fetches, as for a :class:`~torchrec_lookahead.steps.CachePlan`.
     """
 
     step: int

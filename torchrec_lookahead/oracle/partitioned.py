@@ -32,8 +32,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from torchrec_lookahead.oracle.cacher import OracleCacher, PreparedBatch, as_int64
+from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
 from torchrec_lookahead.oracle.partitions import global_ids, place
-from torchrec_lookahead.types import CachePlan, CachePlanner
 
 __all__ = ["PartitionedBatch", "PartitionedOracle"]
 

@@ -45,7 +45,7 @@ import torch
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead.checks import check_batch
 from torchrec_lookahead.idle import run_when_idle
-from torchrec_lookahead.types import LookaheadModule, StepContext, StepPlan
+from torchrec_lookahead.steps import LookaheadModule, StepContext, StepPlan
 
 __all__ = ["LookaheadStage", "StageItem"]
 

@@ -20,8 +20,8 @@ from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import load_kernels
 from torchrec_lookahead.pipeline.executor import PlanExecutor
 from torchrec_lookahead.pipeline.stage import LookaheadStage
-from torchrec_lookahead.settings import check_count
-from torchrec_lookahead.types import LookaheadModule, StepContext, Window
+from torchrec_lookahead.settings import WindowSettings, check_count
+from torchrec_lookahead.steps import LookaheadModule, StepContext
 
 __all__ = ["LookaheadTrainPipeline"]
 
@@ -91,9 +91,9 @@ class LookaheadTrainPipeline(TrainPipeline):
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
         _check_sharded(model)
         load_kernels()  # not on the first step's critical path
-        window = Window(lookahead, prefetch_distance, planning_workers)
+        window = WindowSettings(lookahead, prefetch_distance, planning_workers)
         for module in self._cached:
-            module.attach(window)
+            module.open_window(window)
         self._stage = LookaheadStage(
             self._cached,
             _declared_features(model),
@@ -228,7 +228,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         Step ``s`` is planned once batch ``s + L`` has entered (or the data ended);
         a step may have no moves, e.g. on a rank that owns no cached shard. A plan
         made after a cache grew grows the cache first, here, between steps, once
-        the moves issued before have landed (see ``CacheTable.grow``).
+        the moves issued before have landed (see ``SlotCache.grow``).
         """
         entered = self._window[-1].step + 1
         planned = entered if self._data_done else entered - self.lookahead

@@ -1,7 +1,7 @@
 """Where the hot rows live: their replica rows, their optimizer groups, their owners.
 
 A :class:`HotLayout` is fixed when the sharded collection is built and is the
-same on every rank (checked at ``attach`` with :meth:`HotLayout.digest`). The
+same on every rank (checked at ``open_window`` with :meth:`HotLayout.digest`). The
 replica rows of a table are consecutive, the tables of a :class:`ReplicaGroup`
 are consecutive, so a group is one range of replica rows and one FBGEMM TBE.
 """

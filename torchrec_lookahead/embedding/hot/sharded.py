@@ -6,7 +6,7 @@ hot-row tier (:class:`~torchrec_lookahead.embedding.hot.tier.HotRowTier`) throug
 its hooks, with the batch's hot part travelling in TorchRec's context
 (:class:`HotRowsContext`):
 
-1. ``attach``: the tier agrees its layout with every rank and loads the replicas;
+1. ``open_window``: the tier agrees its layout with every rank and loads the replicas;
 2. ``route``: the stage's batch is split, the cold part goes to the shards, the
    hot part and its union's exchange into the context;
 3. ``enter`` / ``finish``: the tier counts a batch's lookups / resolves the last union;
@@ -34,7 +34,8 @@ from torchrec_lookahead.embedding.hot.layout import HotLayout, RowRange
 from torchrec_lookahead.embedding.hot.tier import HotInput, HotRowTier, ReplicaMetrics
 from torchrec_lookahead.embedding.kernel import LookaheadKernel
 from torchrec_lookahead.embedding.sharded import ShardedLookaheadEmbeddingBagCollection
-from torchrec_lookahead.types import ModuleInput, StepPlan, Window
+from torchrec_lookahead.settings import WindowSettings
+from torchrec_lookahead.steps import ModuleInput, StepPlan
 from torchrec_lookahead.variable_batch import VARIABLE_BATCH_OPTIMIZERS
 
 __all__ = ["HotRowsContext", "ShardedHotRowsEmbeddingBagCollection"]
@@ -59,7 +60,7 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
     def __init__(self, module: HotRowsEmbeddingBagCollection, **kwargs: Any) -> None:
         super().__init__(module=module, **kwargs)
         self.hot = self._make_tier(module.hot_rows)
-        self._hot_pg: dist.ProcessGroup | None = None  # the update's group, made at attach
+        self._hot_pg: dist.ProcessGroup | None = None  # the update's group, made at open_window
         # The kernels' stores are current only with the replicas folded in (this module's
         # write_back), and a loaded optimizer state is newer than the replicas.
         for kernel in self.kernels:
@@ -164,13 +165,13 @@ class ShardedHotRowsEmbeddingBagCollection(ShardedLookaheadEmbeddingBagCollectio
 
     # ----------------------------------------------- the sharded collection's hooks
 
-    def attach(self, window: Window) -> None:
-        super().attach(window)
+    def open_window(self, window: WindowSettings) -> None:
+        super().open_window(window)
         if self._hot_pg is None:  # collectives: the hot rows' layout agreed, then loaded
             self._hot_pg = dist.new_group(
                 ranks=dist.get_process_group_ranks(self.env.process_group)
             )
-        self.hot.attach(self._hot_pg, self)
+        self.hot.open_window(self._hot_pg, self)
 
     def create_context(self) -> HotRowsContext:
         return HotRowsContext()

@@ -2,7 +2,7 @@
 
 The calls it receives, in order (every rank alike):
 
-1. ``attach(group, owners)`` when a pipeline attaches: checks that every rank holds the
+1. ``open_window(group, owners)`` when a pipeline attaches: checks that every rank holds the
    same hot rows, and (re)loads the replicas from their owners unless they
    are current.
 2. ``prepare(features, ...)`` per batch, on the stage's thread, ``L`` steps
@@ -17,7 +17,7 @@ The calls it receives, in order (every rank alike):
 4. ``fold(table, start, stop)`` whenever an owner's store is written back
    (``state_dict``, optimizer state, eval): the replicas of its rows.
 5. ``invalidate()`` when the owners' tables were loaded: the replicas reload
-   from them at the next ``attach`` or ``lookup``.
+   from them at the next ``open_window`` or ``lookup``.
 
 The owners (this rank's shards: their readers and learning rates, :class:`Owners`)
 are handed to the calls that read them; the tier keeps no reference to them.
@@ -131,7 +131,7 @@ class HotRowTier:
 
     # ------------------------------------------------------------ lifecycle
 
-    def attach(self, group: dist.ProcessGroup | None, owners: Owners) -> None:
+    def open_window(self, group: dist.ProcessGroup | None, owners: Owners) -> None:
         """Check every rank holds this layout; load the replicas from ``owners`` unless
         current. A collective on ``group``, the ranks the update runs over."""
         self.settle()

@@ -16,12 +16,12 @@ from torchrec.modules.embedding_configs import DataType
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead._compat import split_pooled_tables
 from torchrec_lookahead.cache.pools import SlotPool
+from torchrec_lookahead.oracle.contract import CachePlan
 from torchrec_lookahead.store.stores import HostStore
 from torchrec_lookahead.tbe import set_learning_rate, training_tbe
-from torchrec_lookahead.types import CachePlan
 from torchrec_lookahead.variable_batch import padded_lookup
 
-__all__ = ["CacheTable"]
+__all__ = ["SlotCache"]
 
 
 def _host_index(ids: np.ndarray) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _host_index(ids: np.ndarray) -> torch.Tensor:
     return streams.host_side(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)))
 
 
-class CacheTable:
+class SlotCache:
     """A TBE whose table ``p`` holds the slots of pool ``p``, backed by a :class:`HostStore`.
 
     The TBE runs the lookups and the fused optimizer exactly as TorchRec's

@@ -5,9 +5,9 @@ The unsharded ``LookaheadEmbeddingBagCollection`` owns one group; under
 config on a rank) owns one. The lookahead stage drives every group the same
 way: ``prepare`` a batch's features (for the step the stage numbered it),
 ``enter`` them (a step's plan comes back as a
-:class:`~torchrec_lookahead.types.StepPlan`: its moves for the executor, its
+:class:`~torchrec_lookahead.steps.StepPlan`: its moves for the executor, its
 slots for the lookups), ``begin_step`` with the step's
-:class:`~torchrec_lookahead.types.StepContext` before the step's forward, whose
+:class:`~torchrec_lookahead.steps.StepContext` before the step's forward, whose
 ``lookup`` takes the step's slots from that context. Tables of equal row width
 share a slot pool and one oracle (:mod:`~torchrec_lookahead.cache.pools`), so
 planning costs one oracle call per pool and step whatever the number of tables.
@@ -34,29 +34,23 @@ import torchrec_lookahead.streams as streams
 from torchrec_lookahead.cache.counters import TableCounters
 from torchrec_lookahead.cache.pools import slot_pools
 from torchrec_lookahead.cache.sizing import TableSlots
-from torchrec_lookahead.cache.table import CacheTable
+from torchrec_lookahead.cache.slot_cache import SlotCache
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import OracleCacher, PartitionedOracle
+from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
+from torchrec_lookahead.settings import WindowSettings
+from torchrec_lookahead.steps import PreparedGroup, StepContext, StepMoves, StepPlan
 from torchrec_lookahead.store.stores import HostStore
-from torchrec_lookahead.types import (
-    CachePlan,
-    CachePlanner,
-    PreparedGroup,
-    StepContext,
-    StepMoves,
-    StepPlan,
-    Window,
-)
 from torchrec_lookahead.variable_batch import check_variable_batch_optimizer
 
-__all__ = ["CachedTables", "enter_groups", "finish_groups"]
+__all__ = ["CacheGroup", "enter_groups", "finish_groups"]
 
 logger = logging.getLogger(__name__)
 
 
-class CachedTables:
-    """Tables whose rows are cached together in one :class:`CacheTable`.
+class CacheGroup:
+    """Tables whose rows are cached together in one :class:`SlotCache`.
 
     Args:
         names: table names (for metrics), in the group's table order.
@@ -95,7 +89,7 @@ class CachedTables:
         self.pools = slot_pools(self.num_rows, dims, optimizer)
         self._sizes = TableSlots(self.names, self.num_rows, self.pools, table_slots, table_caps)
         self._optimizer = optimizer
-        self.cache = CacheTable(
+        self.cache = SlotCache(
             self.pools,
             self._sizes.per_pool(table_slots),
             feature_tables,
@@ -123,7 +117,7 @@ class CachedTables:
         self._pool_features = [
             np.flatnonzero(pool_of_table[tables] == p) for p in range(len(self.pools))
         ]
-        self._window = Window(1, 1)  # set by attach
+        self._window = WindowSettings(1, 1)  # set by open_window
         self._oracles: list[CachePlanner[Any]] | None = None  # built at the window's first batch
         self._context: StepContext | None = None  # the step being run, until its lookup
         self._dirty = False  # cache rows updated since the last write-back
@@ -139,7 +133,7 @@ class CachedTables:
         return self._sizes.slots
 
     @property
-    def cache_rows(self) -> list[int]:
+    def pool_slots(self) -> list[int]:
         """Slots of each pool."""
         return self.cache.slots
 
@@ -150,7 +144,7 @@ class CachedTables:
 
     @property
     def sized(self) -> bool:
-        """Whether the pools have their sizes: a batch entered the window since ``attach``."""
+        """Whether the pools have their sizes: a batch entered the window since ``open_window``."""
         return self._oracles is not None
 
     @property
@@ -158,7 +152,7 @@ class CachedTables:
         """The context of the step being run, from ``begin_step`` until its lookup."""
         return self._context
 
-    def attach(self, window: Window) -> None:
+    def open_window(self, window: WindowSettings) -> None:
         """Start a new window: the cache written back and emptied; oracles at the first batch."""
         self.write_back()
         self.cache.clear()
@@ -208,7 +202,8 @@ class CachedTables:
                 most = np.maximum(lookups, extra)
             table_slots = self._sizes.sized_for(most, self._window.prefetch_distance)
             oracles = [
-                self._planner(slots, p) for p, slots in enumerate(self._sizes.per_pool(table_slots))
+                self._new_oracle(slots, p)
+                for p, slots in enumerate(self._sizes.per_pool(table_slots))
             ]
             sizing = (table_slots, oracles)
         sized = [oracle.prepare_sized(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
@@ -234,7 +229,7 @@ class CachedTables:
         self._counters.entered(prepared.step, prepared.lookups, distinct[self._table_order])
         if self.cache.store.reads_ahead:
             self._read_ahead(prepared)
-        plans = [oracle.push(batch) for oracle, batch in zip(self._planners, prepared.batches)]
+        plans = [oracle.push(batch) for oracle, batch in zip(self._built_oracles, prepared.batches)]
         return self._planned(plans)
 
     def finish(self) -> list[StepPlan]:
@@ -278,7 +273,7 @@ class CachedTables:
     # ------------------------------------------------------------ internals
 
     @property
-    def _planners(self) -> list[CachePlanner[Any]]:
+    def _built_oracles(self) -> list[CachePlanner[Any]]:
         """The pools' planners (made at a window's first batch, so only then)."""
         assert self._oracles is not None, "no batch has entered the window"
         return self._oracles
@@ -290,7 +285,7 @@ class CachedTables:
         for p, ((slots, needed), have) in enumerate(zip(growth, before)):
             if slots == have:
                 continue
-            self._planners[p].grow(slots)
+            self._built_oracles[p].grow(slots)
             tables = list(self.pools[p].tables)
             extra = self._sizes.add(p, slots - have)
             self._counters.grown(tables[int(np.argmax(extra))])
@@ -349,12 +344,12 @@ class CachedTables:
         """
         rows = [
             (table, ids)
-            for pool, oracle, batch in zip(self.pools, self._planners, prepared.batches)
+            for pool, oracle, batch in zip(self.pools, self._built_oracles, prepared.batches)
             for table, ids, _ in pool.by_table(oracle.absent(batch))
         ]
         self.cache.store.read_ahead(rows)
 
-    def _planner(self, slots: int, pool: int) -> CachePlanner[Any]:
+    def _new_oracle(self, slots: int, pool: int) -> CachePlanner[Any]:
         w = self._window
         num_rows = self.pools[pool].num_rows
         first_table = self.names[self.pools[pool].tables[0]]
@@ -400,14 +395,14 @@ class CachedTables:
 
 
 def enter_groups(
-    groups: Sequence[CachedTables], prepared: Sequence[PreparedGroup]
+    groups: Sequence[CacheGroup], prepared: Sequence[PreparedGroup]
 ) -> StepPlan | None:
     """A batch prepared by each of a module's ``groups`` enters their windows; returns the
     step now complete, its plans of every group merged (the groups plan in lockstep)."""
     return _merged([group.enter(p) for group, p in zip(groups, prepared)])
 
 
-def finish_groups(groups: Sequence[CachedTables]) -> list[StepPlan]:
+def finish_groups(groups: Sequence[CacheGroup]) -> list[StepPlan]:
     """End of the data for a module's ``groups``: the steps still to plan, merged."""
     per_group = [group.finish() for group in groups]
     return [merged for step in zip(*per_group) if (merged := _merged(list(step)))]
