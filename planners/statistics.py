@@ -77,12 +77,14 @@ class LookaheadCacheStatistics(CacheStatistics):
         self.min_load_factor = self.min_rows / num_rows
         warm = len(steps) // 2
         self.grid = np.array(sorted(set(grid) | {1.0}), dtype=np.float64)
-        rates = []
+        at: dict[int, float] = {}  # rate per cache size: load factors under the floor share one
         for clf in self.grid:
             capacity = self.capacity(clf)
-            misses = oracle_misses(steps, capacity, lookahead, d, num_rows)
-            rates.append(misses[warm:].sum() / max(distinct[warm:].sum(), 1))
-        self.rates = np.minimum.accumulate(np.array(rates))  # more cache never misses more
+            if capacity not in at:
+                misses = oracle_misses(steps, capacity, lookahead, d, num_rows)
+                at[capacity] = misses[warm:].sum() / max(distinct[warm:].sum(), 1)
+        rates = np.array([at[self.capacity(clf)] for clf in self.grid])
+        self.rates = np.minimum.accumulate(rates)  # more cache never misses more
 
     def capacity(self, clf: float) -> int:
         """The cache rows the module holds for a load factor of ``clf``: its share of the
