@@ -562,6 +562,7 @@ def main() -> None:
     ]
     report = sorted(repeats, key=lambda r: r["ratio"])[len(repeats) // 2]
     report["ratios"] = [r["ratio"] for r in repeats]
+    report["same_weights"] = all(r["same_weights"] for r in repeats)  # every repeat's check
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     plot(report, args.out / "step_time.png")
