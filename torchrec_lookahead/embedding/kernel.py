@@ -82,8 +82,9 @@ class LookaheadKernel:
                 for t in config.embedding_tables
             ]
             config = dataclasses.replace(config, embedding_tables=tables)
-        if store_files is not None:  # the store TBE's host buffers are store files (checked by
-            # the sharded module, check_disk_store)
+        if store_files is not None:
+            # The store TBE's host buffers are store files (the sharded module checked that
+            # a disk store can serve here: check_disk_store).
             buffers = _store_buffers(config, *store_files)
             fused = {**(config.fused_params or {}), "preallocated_host_buffers": buffers}
             config = dataclasses.replace(config, fused_params=fused)
