@@ -4,11 +4,10 @@ DLRM example's (``examples/dlrm/report.py``), with ranking metrics for its AUROC
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shared import agreement, plot
+from shared import agreement, write_outputs
 
 from torchrec_lookahead.metrics import EMBEDDING_KINDS
 
@@ -108,9 +107,4 @@ def report(
         "rows": rows,
         "users_evaluated": evaluated,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    verdict = agreement(gap) if gap is not None else None
-    if verdict is not None and gap:
-        verdict += f" (largest difference {gap:.2g})"
-    plot(runs, out / "training.png", settings, verdict)
-    print(f"wrote {out / 'summary.json'} and {out / 'training.png'}")
+    write_outputs(out, summary, runs, settings, gap)

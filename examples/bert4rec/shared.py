@@ -3,7 +3,8 @@
 Its notices filter (the library notices it hides, installed first: some come while
 TorchRec is imported), the comparison of two runs (``weights_gap``,
 ``weights_digest``, ``mean_over_ranks``), the verdict on the final weights
-(``agreement``) and the training plot (``plot``), so both examples compare and draw
+(``agreement``), the training plot (``plot``) and the writing of both outputs
+(``write_outputs``), so both examples compare and draw
 their runs alike. They are loaded from that folder by path, under names of their own
 (``dlrm_notices``, ...), so this folder's modules keep their plain names (``data``,
 ``model``, ``report``) as the DLRM example's keep theirs.
@@ -16,7 +17,14 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["agreement", "mean_over_ranks", "plot", "weights_digest", "weights_gap"]
+__all__ = [
+    "agreement",
+    "mean_over_ranks",
+    "plot",
+    "weights_digest",
+    "weights_gap",
+    "write_outputs",
+]
 
 DLRM = Path(__file__).resolve().parents[1] / "dlrm"
 
@@ -41,3 +49,4 @@ weights_digest = _compare.weights_digest
 mean_over_ranks = _compare.mean_over_ranks
 agreement = _report.agreement
 plot = _report.plot
+write_outputs = _report.write_outputs

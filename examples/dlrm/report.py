@@ -8,6 +8,7 @@ import statistics
 import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torchrec_lookahead.data.dedup import DedupCounts
 from torchrec_lookahead.metrics import EMBEDDING_KINDS
@@ -157,12 +158,7 @@ def report(
         "cache_rows": cache_rows,
         "rows": rows,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    verdict = agreement(gap) if gap is not None else None
-    if verdict is not None and gap:
-        verdict += f" (largest difference {gap:.2g})"
-    plot(runs, out / "training.png", settings, verdict)
-    print(f"wrote {out / 'summary.json'} and {out / 'training.png'}")
+    write_outputs(out, summary, runs, settings, gap)
 
 
 TOLERANCE = 1e-5  # where summation orders differ (hot rows' bags mixing hot and cold ids)
@@ -264,3 +260,16 @@ def plot(runs: list[Run], path: Path, settings: str, verdict: str | None) -> Non
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_outputs(
+    out: Path, summary: dict[str, Any], runs: list[Any], settings: str, gap: float | None
+) -> None:
+    """``summary.json`` and ``training.png`` in ``out``, the plot titled with the verdict on
+    the final weights (the BERT4Rec example writes its own alike)."""
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    verdict = agreement(gap) if gap is not None else None
+    if verdict is not None and gap:
+        verdict += f" (largest difference {gap:.2g})"
+    plot(runs, out / "training.png", settings, verdict)
+    print(f"wrote {out / 'summary.json'} and {out / 'training.png'}")

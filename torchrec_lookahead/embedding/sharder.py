@@ -17,7 +17,7 @@ TorchRec's: kernel (``batched_embedding_kernel.py``), lookup
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -53,6 +53,13 @@ __all__ = [
 ]
 
 
+if TYPE_CHECKING:
+    # TorchRec's sharders are untyped here (Any to mypy): the mixin reads their settings.
+    SharderBase = Any
+else:
+    SharderBase = object
+
+
 def check_plan(module: CachedCollection, params: dict[str, ParameterSharding]) -> None:
     """Refuse, before TorchRec's sharding builds any TBE, a plan a lookahead cache cannot
     serve: a table of a type FBGEMM does not train (its type may have changed since the
@@ -81,7 +88,35 @@ def lookahead_kernels(compute_device_type: str) -> list[str]:
     return [EmbeddingComputeKernel.FUSED.value]
 
 
-class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+class LookaheadSharding(SharderBase):
+    """What the lookahead sharders share (a mixin listed before TorchRec's sharder): the
+    plan checked (:func:`check_plan`), the sharded module built with the module's fused
+    params under the sharder's, and the compute kernel (:func:`lookahead_kernels`)."""
+
+    def shard(
+        self,
+        module: CachedCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> Any:
+        check_plan(module, params)
+        return self.sharded_module_type(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params={**module.fused_params, **(self.fused_params or {})},
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+        )
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return lookahead_kernels(compute_device_type)
+
+
+class LookaheadEmbeddingBagCollectionSharder(LookaheadSharding, EmbeddingBagCollectionSharder):
     """Shards ``LookaheadEmbeddingBagCollection`` with lookahead-cached fused kernels.
 
     Offers the sharding types TorchRec's sharder offers on the device except
@@ -105,33 +140,11 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         super().__init__(fused_params, qcomm_codecs_registry)
         self.cpu_row_wise = cpu_row_wise
 
-    def shard(
-        self,
-        module: LookaheadEmbeddingBagCollection,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> ShardedLookaheadEmbeddingBagCollection:
-        check_plan(module, params)
-        return self.sharded_module_type(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            fused_params={**module.fused_params, **(self.fused_params or {})},
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
-
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = [ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE]
         if compute_device_type == "cuda" or self.cpu_row_wise:
             types += [ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE]
         return [t.value for t in types]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return lookahead_kernels(compute_device_type)
 
     @property
     def module_type(self) -> type[LookaheadEmbeddingBagCollection]:
@@ -142,7 +155,7 @@ class LookaheadEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return ShardedLookaheadEmbeddingBagCollection
 
 
-class LookaheadEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+class LookaheadEmbeddingCollectionSharder(LookaheadSharding, EmbeddingCollectionSharder):
     """Shards ``LookaheadEmbeddingCollection`` (sequence tables) with lookahead-cached fused
     kernels.
 
@@ -152,31 +165,9 @@ class LookaheadEmbeddingCollectionSharder(EmbeddingCollectionSharder):
     (variable-stride) batches are refused, as the unsharded collection refuses them.
     """
 
-    def shard(
-        self,
-        module: LookaheadEmbeddingCollection,
-        params: dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: torch.device | None = None,
-        module_fqn: str | None = None,
-    ) -> ShardedLookaheadEmbeddingCollection:
-        check_plan(module, params)
-        return ShardedLookaheadEmbeddingCollection(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            fused_params={**module.fused_params, **(self.fused_params or {})},
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-        )
-
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = [ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.ROW_WISE]
         return [t.value for t in types]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
-        return lookahead_kernels(compute_device_type)
 
     @property
     def module_type(self) -> type[LookaheadEmbeddingCollection]:
