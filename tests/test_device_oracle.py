@@ -230,8 +230,9 @@ def test_the_sync_free_path_flags_bad_ids_and_a_broken_capacity() -> None:
 
 
 def test_the_contract_path_waits_only_for_its_checks_and_the_plan() -> None:
-    """Per ``push``: the id range and the pinned-row count are read back, then the plan's
-    counts and its five arrays (what ``docs/design.md`` says the contract path syncs)."""
+    """Per ``push``: the id range and the pinned-row count are read back together, then the
+    plan's counts, its moves in one piece and its slots (what ``docs/design.md`` says the
+    contract path syncs)."""
     with FakeCuda() as fake, HostCounter(fake) as counter:
         oracle = DeviceOracleCacher(256, 2, 1, 5000, "cuda:0")
         batches = zipf_batches(64, 6, "cuda:0")
@@ -240,4 +241,34 @@ def test_the_contract_path_waits_only_for_its_checks_and_the_plan() -> None:
         before = counter.tally().copy()
         oracle.push(batches[-1])
         waits = counter.tally().minus(before).waits
-    assert waits == {"tolist": 2, "item": 1, "D2H copy": 5}
+    assert waits == {"tolist": 2, "D2H copy": 2}
+
+
+@pytest.mark.parametrize("lookahead, d", [(1, 1), (8, 2), (16, 0)])
+def test_growing_as_a_cache_group_does_plans_as_the_numba_oracle_grown_alike(lookahead, d) -> None:
+    """``prepare_sized`` then ``grow`` to what the window needs (1.5x), then ``push`` (the
+    sync-free ``push_device``): the same slots needed, and the same misses and evictions."""
+    rng = np.random.default_rng(5)
+    batches = [rng.integers(0, 300, size=int(rng.integers(5, 12 + 4 * s))) for s in range(40)]
+    numba, device = (
+        OracleCacher(4, lookahead, d, 300),
+        DeviceOracleCacher(4, lookahead, d, 300, "cpu"),
+    )
+    plans: list[tuple[object, object]] = []
+    for batch in batches:
+        want, needed = numba.prepare_sized(batch)
+        got, device_needed = device.prepare_sized(torch.as_tensor(batch))
+        assert device_needed == needed
+        if needed > numba.capacity:
+            numba.grow(needed * 3 // 2)
+            device.grow(needed * 3 // 2)
+        pair = (numba.push(want), device.push_device(got))
+        if pair[0] is not None:
+            plans.append(pair)
+    plans += zip(numba.finish(), device.finish_device())
+    assert device.capacity > 4 and len(plans) == len(batches)
+    for want, got in plans:
+        trimmed = got.to_cache_plan()
+        assert sorted(want.fetch_ids.tolist()) == sorted(trimmed.fetch_ids.tolist()), want.step
+        assert sorted(want.evict_ids.tolist()) == sorted(trimmed.evict_ids.tolist()), want.step
+        assert not bool(got.overflow) and not bool(got.bad_ids)

@@ -60,8 +60,9 @@ from torchrec_lookahead.oracle.cacher import (
     checked_settings,
 )
 from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
+from torchrec_lookahead.settings import check_count
 
-__all__ = ["DeviceOracleCacher", "DevicePlan", "DevicePreparedBatch"]
+__all__ = ["DeviceOracleCacher", "DevicePlan", "DevicePreparedBatch", "trimmed_plan"]
 
 _NEVER = 1 << 62  # next use of a slot whose row has none in the window
 _INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
@@ -90,21 +91,41 @@ class DevicePlan:
     overflow: torch.Tensor
     bad_ids: torch.Tensor
 
-    def to_cache_plan(self) -> CachePlan:
-        """The plan trimmed to its lengths, as numpy arrays (syncs: reads the counts)."""
-        num_evict, num_fetch = torch.stack([self.num_evict, self.num_fetch]).tolist()
+    @property
+    def counts(self) -> torch.Tensor:
+        """``[num_evict, num_fetch]``, on the device."""
+        return torch.stack([self.num_evict, self.num_fetch])
 
-        def host(values: torch.Tensor, length: int) -> np.ndarray:
-            return values[:length].cpu().numpy()
-
-        return CachePlan(
-            step=self.step,
-            slots=self.slots.cpu().numpy(),
-            evict_ids=host(self.evict_ids, num_evict),
-            evict_slots=host(self.evict_slots, num_evict),
-            fetch_ids=host(self.fetch_ids, num_fetch),
-            fetch_slots=host(self.fetch_slots, num_fetch),
+    def moves(self, num_evict: int, num_fetch: int) -> torch.Tensor:
+        """The evicted ids and slots, then the fetched ids and slots, trimmed to the counts
+        (read back first) in one tensor: one copy to the host."""
+        return torch.cat(
+            [
+                self.evict_ids[:num_evict],
+                self.evict_slots[:num_evict],
+                self.fetch_ids[:num_fetch],
+                self.fetch_slots[:num_fetch],
+            ]
         )
+
+    def to_cache_plan(self, with_slots: bool = True) -> CachePlan:
+        """The plan trimmed to its lengths, as numpy arrays (syncs: reads the counts, then
+        copies the moves in one piece, and the slots unless ``with_slots`` is False: a
+        cache's lookup takes them on the device)."""
+        num_evict, num_fetch = self.counts.tolist()
+        moves = self.moves(num_evict, num_fetch).cpu().numpy()
+        slots = self.slots.cpu().numpy() if with_slots else _EMPTY
+        return trimmed_plan(self.step, num_evict, num_fetch, moves, slots)
+
+
+def trimmed_plan(
+    step: int, num_evict: int, num_fetch: int, moves: np.ndarray, slots: np.ndarray = _EMPTY
+) -> CachePlan:
+    """Step ``step``'s :class:`CachePlan` from what :meth:`DevicePlan.moves` gave, on the host."""
+    evict_ids, evict_slots, fetch_ids, fetch_slots = np.split(
+        moves, np.cumsum([num_evict, num_evict, num_fetch])
+    )
+    return CachePlan(step, slots, evict_ids, evict_slots, fetch_ids, fetch_slots)
 
 
 @dataclass(frozen=True)
@@ -207,32 +228,42 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
 
         Raises ``ValueError`` as ``OracleCacher.prepare`` does, for bad ids or
         when steps ``step-d..step`` cannot be resident together; changes
-        nothing but the size of the per-row state. Syncs twice: the id range
-        and the pinned-row count.
+        nothing but the size of the per-row state. Syncs once (see ``prepare_sized``).
         """
+        prepared, pinned = self.prepare_sized(batch)
+        if pinned > self.capacity:
+            raise capacity_error(prepared.step, self.prefetch_distance, pinned, self.capacity)
+        return prepared
+
+    def prepare_sized(self, batch: Any) -> tuple[DevicePreparedBatch, int]:
+        """``prepare`` without the capacity check: the batch and the slots its window needs
+        (``grow`` to them before ``push``). Syncs once: the id range and the pinned rows,
+        read together."""
         step = self._steps_pushed
         where = f"step {step}"
         ids = self._as_ids(batch, where)
-        if ids.numel():
-            low, high = torch.stack([ids.min(), ids.max()]).tolist()
-            if low < 0 or (self.num_rows is not None and high >= self.num_rows):
-                check_range(ids.cpu().numpy(), where, self.num_rows)  # raises, naming the id
-            self._grow_rows(high + 1)
         prepared = self._prepare(ids, step, torch.zeros_like(self._bad))
-        pinned = int(prepared.pinned_rows.item())
-        if pinned > self.capacity:
-            raise capacity_error(step, self.prefetch_distance, pinned, self.capacity)
-        return prepared
+        if not ids.numel():
+            return prepared, int(prepared.pinned_rows.item())
+        low, high, pinned = torch.stack([ids.min(), ids.max(), prepared.pinned_rows]).tolist()
+        if low < 0 or (self.num_rows is not None and high >= self.num_rows):
+            check_range(ids.cpu().numpy(), where, self.num_rows)  # raises, naming the id
+        self._grow_rows(high + 1)
+        return prepared, pinned
+
+    def grow(self, capacity: int) -> None:
+        """``capacity`` slots from now on (no fewer than now): the new slots are free, the
+        resident rows stay in theirs, so plans made so far stay valid."""
+        capacity = check_count("capacity", capacity, self.capacity)
+        more = self._full(capacity - self.capacity, -1)
+        self._slot_row = torch.cat([self._slot_row, more])
+        self._slot_last = torch.cat([self._slot_last, more])
+        self.capacity = capacity
 
     def push(self, batch: Any) -> CachePlan | None:
         """Let the next batch (or what ``prepare`` made of it) in; ``plan(step - L)`` once due."""
         prepared = batch if isinstance(batch, DevicePreparedBatch) else self.prepare(batch)
-        if prepared.oracle is not self or prepared.step != self._steps_pushed:
-            raise ValueError(
-                f"a batch prepared for step {prepared.step} cannot enter at step "
-                f"{self._steps_pushed} (or it was prepared by another oracle)"
-            )
-        plan = self._enter(prepared)
+        plan = self._enter(self._checked(prepared))
         return None if plan is None else plan.to_cache_plan()
 
     def finish(self) -> list[CachePlan]:
@@ -260,14 +291,24 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
 
     # ---------------------------------------------------------- sync-free path
 
-    def push_device(self, ids: torch.Tensor) -> DevicePlan | None:
-        """``push`` with no host sync: ``ids`` is a 1-D int64 tensor on ``device``.
+    def prepare_device(self, ids: torch.Tensor) -> DevicePreparedBatch:
+        """``prepare_sized`` with no host sync and no check: ``ids``, a 1-D int64 tensor on
+        ``device``, must lie in the table (its caller checked them). The slots the
+        window needs are ``pinned_rows``, a 0-d device tensor; ``grow`` to them, then
+        ``push_device`` the prepared batch."""
+        return self._prepare(ids, self._steps_pushed, torch.zeros_like(self._bad))
+
+    def push_device(self, ids: torch.Tensor | DevicePreparedBatch) -> DevicePlan | None:
+        """``push`` with no host sync: ``ids`` is a 1-D int64 tensor on ``device`` (or what
+        ``prepare_sized`` made of the next batch, checked and grown for then).
 
         Ids outside the table become padding and set ``DevicePlan.bad_ids``; a
         batch that breaks the capacity rule sets ``DevicePlan.overflow``. Both
         flags are sticky and void the plans: read them when the executor syncs
         anyway, and stop.
         """
+        if isinstance(ids, DevicePreparedBatch):
+            return self._enter(self._checked(ids))
         if ids.ndim != 1 or ids.dtype != torch.int64 or ids.device != self.device:
             raise ValueError(
                 f"push_device takes a 1-D int64 tensor on {self.device}, "
@@ -299,6 +340,15 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         if not (isinstance(batch, torch.Tensor) and batch.ndim == 1 and batch.dtype in _INTEGERS):
             batch = torch.from_numpy(as_int64(batch, where))  # raises for a bad shape or type
         return batch.to(self.device, torch.int64)
+
+    def _checked(self, prepared: DevicePreparedBatch) -> DevicePreparedBatch:
+        """``prepared``, if this oracle made it for its next step."""
+        if prepared.oracle is not self or prepared.step != self._steps_pushed:
+            raise ValueError(
+                f"a batch prepared for step {prepared.step} cannot enter at step "
+                f"{self._steps_pushed} (or it was prepared by another oracle)"
+            )
+        return prepared
 
     def _grow_rows(self, rows: int) -> None:
         """Per-row state for ids below ``rows`` (amortised doubling)."""
