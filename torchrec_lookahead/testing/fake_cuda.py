@@ -285,8 +285,9 @@ class FakeCuda:
             source, non_blocking = args[0], bool(kwargs.get("non_blocking", False))
             if onto and not is_fake(source):
                 self.transfers.append(Transfer(True, self.is_pinned(source), non_blocking, thread))
-            elif is_fake(source) and torch.device(kwargs.get("device") or "cpu").type == "cpu":
-                self.transfers.append(Transfer(False, False, non_blocking, thread))
+            elif is_fake(source) and kwargs.get("device") is not None:  # none: a dtype cast
+                if torch.device(kwargs["device"]).type == "cpu":
+                    self.transfers.append(Transfer(False, False, non_blocking, thread))
         elif func is aten.copy_.default:
             target, source = args[0], args[1]
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
