@@ -64,6 +64,7 @@ class Case:
     steps: int = 60
     cache_load_factor: float = 0.1
     stage_thread: bool = True  # the lookahead stage on its own thread, or inline
+    planner: str = "host"  # where plans are made (WindowSettings.planner)
     store_dir: bool = False  # the tables in a disk store (a temporary directory)
     session: int = 0  # > 0: sessions of this many samples share cat_0 and cat_1, deduplicated
     data_types: tuple[str, ...] = ("FP32",) * len(SIZES)  # each table's (DataType values)
@@ -219,6 +220,7 @@ def check(case: Case, rank: int, world_size: int) -> None:
         torch.device("cpu"),
         lookahead=case.lookahead,
         stage_thread=case.stage_thread,
+        planner=case.planner,
     )
     stream, refused = list(batches), []
     if case.session:  # a batch with a bad inverse index on rank 0 only: every rank drops it

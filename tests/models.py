@@ -200,6 +200,7 @@ def train_lookahead(
     prefetch_distance: int,
     planning_workers: int = 1,
     stage_thread: bool = True,
+    planner: str = "host",
 ):
     """Train through LookaheadTrainPipeline (by default with the stage on its own thread,
     whatever the machine); returns (each step's logits, pipeline)."""
@@ -214,6 +215,7 @@ def train_lookahead(
         prefetch_distance=prefetch_distance,
         planning_workers=planning_workers,
         stage_thread=stage_thread,
+        planner=planner,
     )
     outputs, it = [], iter(data)
     while True:

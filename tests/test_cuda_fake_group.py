@@ -56,8 +56,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec_lookahead import HotRowsEmbeddingBagCollection, HotRowsEmbeddingBagCollectionSharder
 from torchrec_lookahead._compat import fake_store, is_fake
 from torchrec_lookahead.embedding.hot.sharded import HotRowsContext
+from torchrec_lookahead.oracle.device import DevicePreparedBatch
 from torchrec_lookahead.pipeline.stage import LookaheadStage
-from torchrec_lookahead.settings import WindowSettings
+from torchrec_lookahead.settings import PLANNERS, WindowSettings
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.stream_check import StreamChecker
 
@@ -115,12 +116,13 @@ def rank(request: pytest.FixtureRequest) -> Iterator[int]:
     "(1.6) puts a C++ autograd kernel in front of keyed_jagged_index_select_dim1, which "
     "crashes on fake CUDA tensors. make gpu-check's two-rank runs reach this path on two GPUs.",
 )
+@pytest.mark.parametrize("planner", PLANNERS)
 def test_a_batch_with_hot_rows_reaches_the_input_dist_on_cuda(
-    rank: int, cuda_runtime: None
+    rank: int, cuda_runtime: None, planner: str
 ) -> None:
     """One rank's stage splits a batch, sends its cold part through TorchRec's input dist on
     the device and plans the ids its shards own (defect N3: the cold part stayed on the
-    CPU, which NCCL refuses)."""
+    CPU, which NCCL refuses), on the host or on the device."""
     module = HotRowsEmbeddingBagCollection(
         TABLES, device=torch.device("meta"), cache_load_factor=0.2, hot_rows=HOT
     )
@@ -146,7 +148,7 @@ def test_a_batch_with_hot_rows_reaches_the_input_dist_on_cuda(
         )
         env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
         sharded = sharder.shard(module, plan, env, device)
-        sharded.open_window(WindowSettings(lookahead=2, prefetch_distance=1))
+        sharded.open_window(WindowSettings(lookahead=2, prefetch_distance=1, planner=planner))
         stage = LookaheadStage([sharded], dict.fromkeys(KEYS, False), device, threaded=False)
         stage.start(iter([batch]))
         item = stage.get()
@@ -156,8 +158,14 @@ def test_a_batch_with_hot_rows_reaches_the_input_dist_on_cuda(
         prepared = item.context.inputs[sharded]
         ctx, distributed = prepared.distributed
         assert distributed and all(kjt.values().device == device for kjt in distributed)
-        seen = sorted(int(i) for step in prepared.groups for b in step.batches for i in b.ids)
-        assert seen == OWNED[rank]
+        batches = [b for step in prepared.groups for b in step.batches]
+        if planner == "device":  # the ids stay on the device
+            assert all(isinstance(b, DevicePreparedBatch) for b in batches)
+            assert all(b.ids.device == device for b in batches)
+            seen = [i for b in batches for i in fake.real(b.ids).tolist()]
+        else:  # the host's planner read them back
+            seen = [int(i) for b in batches for i in b.ids]
+        assert sorted(seen) == OWNED[rank]
         assert isinstance(ctx, HotRowsContext) and ctx.hot is not None
         assert ctx.hot.split.rows.device == device
         metrics = sharded.replica_metrics

@@ -34,6 +34,7 @@ checker, which follows FBGEMM's backward row by row).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from torchrec_lookahead.embedding.hot.sharded import HotRowsContext
 from torchrec_lookahead.oracle.contract import CachePlan
 from torchrec_lookahead.pipeline.executor import PlanExecutor
 from torchrec_lookahead.pipeline.stage import LookaheadStage
+from torchrec_lookahead.settings import PLANNERS
 from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.stores import HostStore
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
@@ -368,10 +370,32 @@ def test_the_hand_over_marks_every_tensor_of_the_step_for_the_trainer() -> None:
 # ------------------------------------------------------------ the whole path
 
 
-def test_an_unsharded_window_runs_end_to_end_on_fake_cuda() -> None:
+def _reads_back_while_planning(
+    pipeline: LookaheadTrainPipeline, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> list[object]:
+    """The copies from the device to the host that the pipeline's stage makes on the
+    trainer's thread (inline, as on CUDA) from now on, filled in as it runs."""
+    stage, found = pipeline._stage, []
+    get, trainer = stage.get, threading.current_thread().name
+
+    def counted() -> object:
+        before = len(fake.transfers)
+        item = get()
+        found.extend(t for t in fake.transfers[before:] if not t.to_device and t.thread == trainer)
+        return item
+
+    monkeypatch.setattr(stage, "get", counted)
+    return found
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_an_unsharded_window_runs_end_to_end_on_fake_cuda(
+    planner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A whole window on CUDA, unsharded, under the stream checker: the stage moves each
-    batch to the device, plans it (reading its ids back), the executor fetches and evicts
-    through pinned staging on the side stream (a pool of two tables among them), the
+    batch to the device and plans it (``planner="host"``: reading its ids back; ``"device"``:
+    there, the executor reading each plan back), the executor fetches and evicts through
+    pinned staging on the side stream (a pool of two tables among them), the
     steps look the rows up, ``state_dict`` writes the cache back and ``load_state_dict``
     reloads it. No step trains (fake CUDA has no backward here, see the module), so the
     store must come back as it was, except for what is changed on the device on purpose."""
@@ -385,13 +409,15 @@ def test_an_unsharded_window_runs_end_to_end_on_fake_cuda() -> None:
         with (
             torch.no_grad(),
             LookaheadTrainPipeline(
-                model, dense, CUDA, lookahead=4, prefetch_distance=2
+                model, dense, CUDA, lookahead=4, prefetch_distance=2, planner=planner
             ) as pipeline,
         ):
+            read_back = _reads_back_while_planning(pipeline, fake, monkeypatch)
             it = iter(DATA)
             for _ in range(12):
                 logits = pipeline.progress(it)
                 assert logits.device == CUDA and logits.shape == (32,)
+            assert bool(read_back) == (planner == "host")  # the batch's ids, for the host
             metrics = pipeline.cache_metrics()["total"]
             assert metrics.misses > 0 and metrics.rows_written_back > 0
             for module, state in zip((model.unweighted, model.weighted), initial):

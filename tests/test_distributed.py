@@ -119,6 +119,27 @@ def test_fp16_and_mixed_tables_match_plain_torchrec(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+def test_plans_made_on_the_device_match_plain_torchrec(world_size: int) -> None:
+    """``planner="device"`` (the device oracle on CPU tensors, its plans read back by the
+    executor) under DMP, inline and on the stage's thread, FP32 and mixed FP16 tables."""
+    run_cases(
+        world_size,
+        [
+            Case("row_wise", "rowwise_adagrad", 8, steps=40, planner="device"),
+            Case(
+                "column_wise",
+                "adagrad",
+                4,
+                steps=40,
+                planner="device",
+                stage_thread=False,
+                data_types=("FP16", "FP32", "FP16"),
+            ),
+        ],
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
 def test_deduplicated_batches_match_plain_torchrec(world_size: int) -> None:
     run_cases(
         world_size,

@@ -19,6 +19,8 @@ reads rows that have not landed and the results differ.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -64,12 +66,19 @@ def side_streams(request):
 
 
 def check_against_reference(
-    optimizer: str, lookahead: int, d: int, planning_workers: int = 1, **cache: object
+    optimizer: str,
+    lookahead: int,
+    d: int,
+    planning_workers: int = 1,
+    planner: str = "host",
+    **cache: object,
 ):
     model = lookahead_model(optimizer, **cache)
     twin = reference_twin(model, optimizer)
     expected = train_reference(twin, DATA)
-    outputs, pipeline = train_lookahead(model, DATA, lookahead, d, planning_workers)
+    outputs, pipeline = train_lookahead(
+        model, DATA, lookahead, d, planning_workers, planner=planner
+    )
     assert len(outputs) == STEPS
     for step, (got, want) in enumerate(zip(outputs, expected)):
         assert torch.equal(got, want), f"step {step} output differs"
@@ -98,6 +107,23 @@ def test_small_cache_matches_all_resident_training(optimizer, lookahead, prefetc
         optimizer, lookahead, prefetch_distance, cache_load_factor=0.1
     )
     assert metrics.rows_written_back > 0 and metrics.misses < metrics.unique_ids
+
+
+@pytest.mark.parametrize(("optimizer", "lookahead", "prefetch_distance"), ALL_PAIRS[1::3])
+def test_plans_made_on_the_device_match_all_resident_training_and_the_host_plans(
+    optimizer, lookahead, prefetch_distance
+) -> None:
+    """``planner="device"`` on CPU tensors (the device oracle, its plans trimmed by the
+    executor): bitwise all-resident training, and every counter as the host's plans."""
+    on_device = check_against_reference(
+        optimizer, lookahead, prefetch_distance, planner="device", cache_load_factor=0.1
+    )
+    on_host = check_against_reference(
+        optimizer, lookahead, prefetch_distance, planner="host", cache_load_factor=0.1
+    )
+    timings = {"wait_s": 0.0, "stage_s": 0.0, "plan_s": 0.0}
+    assert on_device.rows_written_back > 0
+    assert replace(on_device, **timings) == replace(on_host, **timings)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])

@@ -34,8 +34,8 @@ KEYS = {
 }
 
 
-def run(kind: str, steps: int = 3) -> dict[str, Any]:
-    return host_cost.measure(kind, 1, 64, steps, 2, TINY, progress=False)
+def run(kind: str, steps: int = 3, planner: str = "host") -> dict[str, Any]:
+    return host_cost.measure(kind, 1, 64, steps, 2, TINY, progress=False, planner=planner)
 
 
 def test_a_known_step_is_counted_exactly() -> None:
@@ -63,8 +63,8 @@ def plain() -> dict[str, Any]:
 def test_both_pipelines_give_every_figure_and_identical_steps_count_alike(
     plain: dict[str, Any],
 ) -> None:
-    lookahead = run("lookahead")
-    for row in (plain, lookahead):
+    lookahead, on_device = run("lookahead"), run("lookahead", planner="device")
+    for row in (plain, lookahead, on_device):
         assert KEYS <= set(row)
         assert row["device_ops"] > 0 and row["host_waits"] > 0
         low, high = row["device_ops_range"]
@@ -72,6 +72,15 @@ def test_both_pipelines_give_every_figure_and_identical_steps_count_alike(
         assert row["trainer_cpu_ms"] > row["emulation_ms"] > 0
     assert plain["other_threads_cpu_ms_by_name"].get("lookahead-executor") is None
     assert "lookahead-executor" in lookahead["other_threads_cpu_ms_by_name"]
+    assert (plain["planner"], lookahead["planner"], on_device["planner"]) == (
+        None,
+        "host",
+        "device",
+    )
+    # Planned on the device, no id comes back to the trainer's thread (the host's planner
+    # copies each batch's ids back); the plans are read back on the executor's.
+    assert lookahead["host_wait_kinds"].get("D2H copy", 0) > 0
+    assert on_device["host_wait_kinds"].get("D2H copy", 0) == 0
 
 
 def test_an_item_added_to_a_step_is_one_more_host_wait(
@@ -95,10 +104,15 @@ def test_the_report_has_its_keys(
     plain: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``main`` writes every run's row and what the rows were measured under."""
-    monkeypatch.setattr(host_cost, "measure", lambda kind, *args: {**plain, "pipeline": kind})
+    monkeypatch.setattr(
+        host_cost,
+        "measure",
+        lambda kind, *args, planner: {**plain, "pipeline": kind, "planner": planner},
+    )
     flags = ["--out", str(tmp_path), "--batch-sizes", "64", "--world-sizes", "1"]
     assert host_cost.main(flags) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert {"rows", "settings", "machine", "stood_in", "command", "date"} <= set(report)
-    assert [row["pipeline"] for row in report["rows"]] == ["plain", "lookahead"]
+    got = [(row["pipeline"], row["planner"]) for row in report["rows"]]
+    assert got == [("plain", "host"), ("lookahead", "host"), ("lookahead", "device")]
     assert all(KEYS <= set(row) for row in report["rows"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "PLANNERS",
     "CacheSizing",
     "SettingTypeError",
     "WindowSettings",
@@ -47,19 +48,33 @@ def check_fraction(name: str, value: Any) -> float:
     return float(value)
 
 
+# Where a cache group's plans are made: "host" (the numba oracle, the batch's ids copied to
+# the host; the default) or "device" (the device oracle, on the cache's device: no id
+# leaves it). The device is not the default on CUDA until a GPU has measured it faster.
+PLANNERS = ("host", "device")
+
+
 @dataclass(frozen=True)
 class WindowSettings:
-    """The pipeline's window: ``lookahead`` (L), ``prefetch_distance`` (d), and how many
-    hash partitions (threads) plan each slot pool."""
+    """The pipeline's window: ``lookahead`` (L), ``prefetch_distance`` (d), how many
+    hash partitions (threads) plan each slot pool, and where plans are made (``PLANNERS``)."""
 
     lookahead: int
     prefetch_distance: int
     planning_workers: int = 1
+    planner: str = "host"
 
     def __post_init__(self) -> None:  # the settings' names as the pipeline takes them
         check_count("lookahead", self.lookahead, 1)
         check_count("prefetch_distance", self.prefetch_distance, 0)
         check_count("planning_workers", self.planning_workers, 1)
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner must be one of {PLANNERS}, got {self.planner!r}")
+        if self.planner == "device" and self.planning_workers > 1:
+            raise ValueError(
+                "planning_workers > 1 partitions the host planner; planner='device' plans "
+                "each pool in one pass on the device: leave planning_workers at 1"
+            )
 
 
 @dataclass(frozen=True)

@@ -456,6 +456,7 @@ class _Run:
             lookahead=self.config.lookahead,
             prefetch_distance=self.config.prefetch_distance,
             stage_thread=self.config.stage_thread,
+            planner=self.config.planner,
         )
 
     def step(self) -> torch.Tensor:

@@ -64,6 +64,8 @@ class Config:
     schedule: str  # "none", "warmup_decay", "random" (a new rate every step)
     events: tuple[tuple[int, str], ...]  # (after step, event)
     stage_thread: bool
+    # Where plans are made (WindowSettings.planner): "device" plans on CPU tensors.
+    planner: str = "host"
     # The caches start at the load factor, with no floor for the widest window, and the
     # first third of the steps' batches are a quarter the size: the caches grow mid-run.
     grow: bool = False
@@ -108,6 +110,7 @@ class Config:
             "disk" if self.disk_store else "",
             f"lr={self.schedule}" if self.schedule != "none" else "",
             "inline" if not self.stage_thread else "",
+            "planner=device" if self.planner == "device" else "",
             "grow" if self.grow else "",
             " ".join(f"{e}@{s}" for s, e in self.events),
         ]
@@ -127,8 +130,16 @@ def _rows_on_every_rank(rows: int, world_size: int) -> bool:
 def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
     """Configuration ``index`` of the stream drawn from ``seed`` (``hot_rows``: every one
     with replicated hot rows, at 2 or 4 ranks): bag tables, some or all of them then made
-    sequence tables."""
-    return _with_sequence_tables(_draw_bags(seed, index, hot_rows), hot_rows)
+    sequence tables; then where it plans."""
+    return _with_planner(_with_sequence_tables(_draw_bags(seed, index, hot_rows), hot_rows))
+
+
+def _with_planner(config: Config) -> Config:
+    """``config`` planned on the device (its oracle on CPU tensors) a third of the time,
+    unless its tables are in a disk store (which reads ahead from the host's plans). From
+    a generator of its own, so that the rest of the draw is as it was."""
+    on_device = np.random.default_rng([config.seed, config.index, 45]).random() < 1 / 3
+    return replace(config, planner="device") if on_device and not config.disk_store else config
 
 
 def _draw_bags(seed: int, index: int, hot_rows: bool) -> Config:

@@ -2,7 +2,8 @@
 
 :class:`~torchrec_lookahead.cache.group.CacheGroup` counts each batch as it
 enters the window (ids looked up, distinct ids), each step as its plan is made
-(misses, that is rows fetched; rows written back; bytes moved both ways) and
+(misses, that is rows fetched; rows written back; bytes moved both ways; where the
+device plans, the distinct ids too, read back with the plan by the executor) and
 each growth of a pool (counted to the table that took the most of it). Each
 step's distinct ids and misses are kept apart too, for the pipeline's per-step
 report, until the next window starts.
@@ -35,17 +36,28 @@ class TableCounters:
         # step -> (distinct ids, misses) per table: one small entry per step trained
         self.step_counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def entered(self, step: int, lookups: np.ndarray, distinct: np.ndarray) -> None:
-        """The batch of ``step`` entered the window: its ids and distinct ids per table."""
+    def entered(self, step: int, lookups: np.ndarray, distinct: np.ndarray | None) -> None:
+        """The batch of ``step`` entered the window: its ids and distinct ids per table
+        (``None``: counted with its plan, where the device planned it)."""
         self.totals["lookups"] += lookups
-        self.totals["unique_ids"] += distinct
-        self.step_counts[step] = (distinct, np.zeros_like(distinct))
+        counted = np.zeros_like(lookups) if distinct is None else distinct
+        self.totals["unique_ids"] += counted
+        self.step_counts[step] = (counted, np.zeros_like(counted))
 
     def planned(
-        self, step: int, fetched: np.ndarray, evicted: np.ndarray, row_bytes: np.ndarray
+        self,
+        step: int,
+        fetched: np.ndarray,
+        evicted: np.ndarray,
+        row_bytes: np.ndarray,
+        distinct: np.ndarray | None = None,
     ) -> None:
-        """The plan of ``step`` is made: the rows it fetches and evicts per table, each
-        table's rows ``row_bytes`` wide (with their optimizer state)."""
+        """The plan of ``step`` is made (on the device: applied): the rows it fetches and
+        evicts per table, each table's rows ``row_bytes`` wide (with their optimizer state),
+        and the batch's distinct ids if ``entered`` did not have them."""
+        if distinct is not None:
+            self.step_counts[step][0][:] = distinct
+            self.totals["unique_ids"] += distinct
         self.step_counts[step][1][:] = fetched
         self.totals["misses"] += fetched
         self.totals["rows_written_back"] += evicted

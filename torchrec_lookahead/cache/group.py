@@ -32,13 +32,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead.cache.counters import TableCounters
+from torchrec_lookahead.cache.device_plans import DevicePlanning
 from torchrec_lookahead.cache.pools import slot_pools
 from torchrec_lookahead.cache.sizing import TableSlots
 from torchrec_lookahead.cache.slot_cache import SlotCache
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import OracleCacher, PartitionedOracle
-from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
+from torchrec_lookahead.oracle.contract import CachePlanner
+from torchrec_lookahead.oracle.device import DevicePlan
 from torchrec_lookahead.settings import WindowSettings
 from torchrec_lookahead.steps import PreparedGroup, StepContext, StepMoves, StepPlan
 from torchrec_lookahead.store.stores import HostStore
@@ -118,6 +120,7 @@ class CacheGroup:
             np.flatnonzero(pool_of_table[tables] == p) for p in range(len(self.pools))
         ]
         self._window = WindowSettings(1, 1)  # set by open_window
+        self._device: DevicePlanning | None = None  # set by open_window where the device plans
         self._oracles: list[CachePlanner[Any]] | None = None  # built at the window's first batch
         self._context: StepContext | None = None  # the step being run, until its lookup
         self._dirty = False  # cache rows updated since the last write-back
@@ -157,6 +160,7 @@ class CacheGroup:
         self.write_back()
         self.cache.clear()
         self._window = window
+        self._device = self._device_planning(window)
         self._oracles = None
         self._pending_growth = None  # the next window's first batch sizes the cache
         self._context = None
@@ -180,17 +184,12 @@ class CacheGroup:
         """
         if self.cache.device.type != "cpu":  # the CPU pools variable batches padded, any optimizer
             check_variable_batch_optimizer(features, self._optimizer, f"step {step}")
-        values = features.values().cpu().numpy()
         lengths = features.length_per_key()
-        check_feature_ids(values, lengths, features.keys(), self._feature_rows, f"step {step}")
-        ids = values + np.repeat(self._feature_offset, lengths) if self._offset_ids else values
+        edges = np.concatenate([[0], np.cumsum(lengths)])
+        positions = [_positions(edges, features) for features in self._pool_features]
         order = None
-        per_pool = [ids]
         if len(self.pools) > 1:
-            edges = np.concatenate([[0], np.cumsum(lengths)])
-            positions = [_positions(edges, features) for features in self._pool_features]
-            per_pool = [ids[where] for where in positions]
-            places = np.concatenate([np.arange(len(ids))[where] for where in positions])
+            places = np.concatenate([np.arange(edges[-1])[where] for where in positions])
             order = streams.to_device(torch.from_numpy(places), self.cache.device)
         lookups = np.bincount(self._feature_table, weights=lengths, minlength=len(self.names))
         lookups = lookups.astype(np.int64)
@@ -206,7 +205,11 @@ class CacheGroup:
                 for p, slots in enumerate(self._sizes.per_pool(table_slots))
             ]
             sizing = (table_slots, oracles)
-        sized = [oracle.prepare_sized(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
+        sized: list[tuple[Any, int]]
+        if self._device is not None:
+            sized = self._device.prepare(features, oracles, step, self._feature_rows)
+        else:
+            sized = self._prepare_on_host(features, oracles, positions, step)
         batches = [batch for batch, _ in sized]
         growth = self._sizes.growth(
             self._sizes.per_pool(table_slots),
@@ -223,6 +226,10 @@ class CacheGroup:
             self._install(*prepared.sizing)
         if prepared.growth is not None:
             self._grow(prepared.growth, prepared.step)
+        if self._device is not None:
+            self._counters.entered(prepared.step, prepared.lookups, None)  # distinct: with the plan
+            self._distinct[prepared.step] = self._device.distinct(prepared.batches)
+            return self._planned(self._device.push(self._built_oracles, prepared.batches))
         distinct = np.concatenate(
             [pool.table_counts(batch.unique) for pool, batch in zip(self.pools, prepared.batches)]
         )
@@ -234,7 +241,8 @@ class CacheGroup:
 
     def finish(self) -> list[StepPlan]:
         """End of the data: the steps still to plan, with shorter windows."""
-        remaining = [oracle.finish() for oracle in self._oracles or []]
+        oracles = self._oracles or []
+        remaining = self._device.finish(oracles) if self._device else [o.finish() for o in oracles]
         return [planned for step in zip(*remaining) if (planned := self._planned(list(step)))]
 
     def begin_step(self, context: StepContext) -> None:
@@ -349,8 +357,47 @@ class CacheGroup:
         ]
         self.cache.store.read_ahead(rows)
 
+    def _prepare_on_host(
+        self,
+        features: KeyedJaggedTensor,
+        oracles: list[CachePlanner[Any]],
+        positions: list[slice | np.ndarray],
+        step: int,
+    ) -> list[tuple[Any, int]]:
+        """Each pool's batch prepared by its host planner (the ids copied to the host and
+        checked there), and the slots its window needs."""
+        values = features.values().cpu().numpy()
+        lengths = features.length_per_key()
+        check_feature_ids(values, lengths, features.keys(), self._feature_rows, f"step {step}")
+        ids = values + np.repeat(self._feature_offset, lengths) if self._offset_ids else values
+        per_pool = [ids[where] for where in positions] if len(self.pools) > 1 else [ids]
+        return [oracle.prepare_sized(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
+
+    def _device_planning(self, window: WindowSettings) -> DevicePlanning | None:
+        """Where this group's plans are made in ``window`` (see ``WindowSettings.planner``):
+        the device's planning, or ``None`` for the host's."""
+        if window.planner == "host":
+            return None
+        if self.cache.store.reads_ahead:
+            raise ValueError(
+                "planner='device' cannot plan tables in a disk store (store_dir): it reads "
+                "rows ahead from the host's plans; use planner='host'"
+            )
+        self._distinct: dict[int, torch.Tensor] = {}  # step -> distinct ids per table (device)
+        return DevicePlanning(
+            self.pools,
+            self._feature_table,
+            self._feature_offset,
+            self._feature_rows,
+            self._pool_features,
+            self._table_order,
+            self.cache.device,
+        )
+
     def _new_oracle(self, slots: int, pool: int) -> CachePlanner[Any]:
         w = self._window
+        if self._device is not None:
+            return self._device.new_oracle(slots, w.lookahead, w.prefetch_distance, pool)
         num_rows = self.pools[pool].num_rows
         first_table = self.names[self.pools[pool].tables[0]]
         row_table = self.cache.store.row_table(f"oracle.{first_table}.{pool}")
@@ -367,10 +414,12 @@ class CacheGroup:
             row_table=row_table,
         )
 
-    def _planned(self, plans: list[CachePlan | None]) -> StepPlan | None:
+    def _planned(self, plans: list[Any]) -> StepPlan | None:
         ready = [plan for plan in plans if plan is not None]  # the pools plan in lockstep
         if not ready:
             return None
+        if self._device is not None:
+            return self._planned_on_device(ready)
         step = ready[0].step
         slots = np.concatenate([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
         step_slots = streams.to_device(torch.from_numpy(slots), self.cache.device)
@@ -387,11 +436,32 @@ class CacheGroup:
             for p, plan in enumerate(ready)
             if len(plan.fetch_ids) or len(plan.evict_ids)
         ]
-        growths: StepMoves = []
-        if self._pending_growth is not None:  # this plan may use the new slots
-            growths.append(partial(self.cache.grow, self._pending_growth))
-            self._pending_growth = None
-        return StepPlan(step, moves, {self: step_slots}, growths)
+        return StepPlan(step, moves, {self: step_slots}, self._take_growths())
+
+    def _planned_on_device(self, ready: list[DevicePlan]) -> StepPlan:
+        """A step planned on the device: its slots stay there; its moves, one for the
+        executor, read the plans back once the stage's stream has made them."""
+        assert self._device is not None
+        step = ready[0].step
+        slots = torch.cat([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
+        move = partial(
+            self._device.move,
+            self.cache,
+            self._counters,
+            ready,
+            self._distinct.pop(step),
+            streams.mark(self.cache.device),  # after the plans, on the stage's stream
+            self._row_bytes,
+        )
+        return StepPlan(step, [move], {self: slots}, self._take_growths())
+
+    def _take_growths(self) -> StepMoves:
+        """The cache's growth, for the first plan made since a pool's planner grew (it may
+        use the new slots)."""
+        if self._pending_growth is None:
+            return []
+        growth, self._pending_growth = self._pending_growth, None
+        return [partial(self.cache.grow, growth)]
 
 
 def enter_groups(

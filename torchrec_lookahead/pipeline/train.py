@@ -49,6 +49,13 @@ class LookaheadTrainPipeline(TrainPipeline):
     as many threads (:class:`~torchrec_lookahead.oracle.partitioned.PartitionedOracle`):
     worth it only with cores to spare; plans stay exact, misses change little.
 
+    ``planner`` says where each step's plan is made: ``"host"`` (the default: the numba
+    oracle, a batch's ids copied to the host) or ``"device"`` (the device oracle, on the
+    cache's device and the stage's stream: no id leaves the device, and the host's part
+    of planning is launching kernels and reading each plan back on the executor's
+    thread; not for a disk store's tables, nor with ``planning_workers > 1``). Plans and
+    training are the same either way (:mod:`~torchrec_lookahead.cache.device_plans`).
+
     ``stage_thread`` runs the stage on its own thread (``True``; the default on the
     CPU), which takes only the cycles the trainer leaves idle (see
     :mod:`~torchrec_lookahead.pipeline.stage`), or inline on the trainer's (``False``;
@@ -76,6 +83,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         prefetch_distance: int = 1,
         planning_workers: int = 1,
         stage_thread: bool | None = None,
+        planner: str = "host",
     ) -> None:
         super().__init__()
         lookahead = check_count("lookahead", lookahead, 1)
@@ -91,7 +99,7 @@ class LookaheadTrainPipeline(TrainPipeline):
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
         _check_sharded(model)
         load_kernels()  # not on the first step's critical path
-        window = WindowSettings(lookahead, prefetch_distance, planning_workers)
+        window = WindowSettings(lookahead, prefetch_distance, planning_workers, planner)
         for module in self._cached:
             module.open_window(window)
         self._stage = LookaheadStage(
