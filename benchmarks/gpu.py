@@ -58,9 +58,13 @@ ALGORITHMS = {"uvm-lru": CacheAlgorithm.LRU, "uvm-lfu": CacheAlgorithm.LFU}
 STAGE_THREAD = {"default": None, "inline": False, "thread": True}  # --stage: stage_thread=
 
 
+# Lookahead's settings, by where its plans are made (LookaheadTrainPipeline's planner=).
+PLANNED = {"lookahead": "host", "lookahead-device": "device"}
+
+
 def settings(fractions: list[float]) -> list[tuple[str, float | None]]:
     return [("fused", None)] + [
-        (kind, f) for kind in ("uvm-lru", "uvm-lfu", "lookahead") for f in fractions
+        (kind, f) for kind in ("uvm-lru", "uvm-lfu", *PLANNED) for f in fractions
     ]
 
 
@@ -73,7 +77,7 @@ def build(kind: str, fraction: float | None, args: argparse.Namespace, device: t
         for name, rows in zip(feature_names(data), data.num_embeddings)
     ]
     meta = torch.device("meta")
-    if kind == "lookahead":
+    if kind in PLANNED:
         ebc = LookaheadEmbeddingBagCollection(tables, device=meta, cache_load_factor=fraction)
         sharders = [LookaheadEmbeddingBagCollectionSharder()]
     else:
@@ -103,14 +107,15 @@ def build(kind: str, fraction: float | None, args: argparse.Namespace, device: t
         lambda params: torch.optim.SGD(params, lr=0.1),
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    if kind == "lookahead":
+    if kind in PLANNED:
         pipeline = LookaheadTrainPipeline(
             dmp,
             optimizer,
             device,
             lookahead=args.lookahead,
-            planning_workers=args.planning_workers,
+            planning_workers=args.planning_workers if PLANNED[kind] == "host" else 1,
             stage_thread=STAGE_THREAD[args.stage],
+            planner=PLANNED[kind],
         )
         return pipeline, data
     if kind in ALGORITHMS:
@@ -125,7 +130,7 @@ def measure(
     pipeline, data = build(kind, fraction, args, device)
     batches = iter([criteo_batch(data, s, args.batch_size) for s in range(args.steps)])
     times = []
-    split = Split(pipeline if kind == "lookahead" else None)
+    split = Split(pipeline if kind in PLANNED else None)
     while True:
         if len(times) == args.warmup:
             split.start()
@@ -232,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         r["step_ms"] = statistics.median(r["step_ms_rounds"])
         r["samples_per_s"] = args.batch_size * 1000 / r["step_ms"]
     print(
-        f"{'setting':>10}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}"
+        f"{'setting':>17}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}"
         f"{'MiB moved':>11}{'stage wait':>12}{'stage CPU':>11}"
     )
     for r in results:
@@ -242,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         moved = r["bytes_moved_per_step"]
         mib = "-" if moved is None else f"{moved / 2**20:.2f}"
         print(
-            f"{r['setting']:>10}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
+            f"{r['setting']:>17}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
             f"{r['peak_hbm_mb']:>13,.0f}{mib:>11}{wait:>12}{cpu:>11}"
         )
     out = Path(args.out)

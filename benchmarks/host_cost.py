@@ -84,11 +84,11 @@ from torchrec_lookahead import (
 from torchrec_lookahead._compat import fake_store, is_fake
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
+from torchrec_lookahead.settings import PLANNERS
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.host_waits import HostCounter, Tally
 
 DEVICE = torch.device("cuda", 0)
-PIPELINES = ("plain", "lookahead")
 STOOD_IN = [
     "backward and optimizer update: autograd cannot record fake CUDA tensors on a CPU build "
     "(the process aborts), so steps run under torch.no_grad() with Tensor.backward a no-op; "
@@ -135,8 +135,11 @@ class Settings:
     table_sizes: Sequence[int] = field(default=CRITEO_KAGGLE_TABLE_SIZES)
 
 
-def build(kind: str, world_size: int, batch_size: int, settings: Settings) -> Any:
-    """A pipeline of ``kind`` ("plain" or "lookahead") on ``DEVICE``, under DMP."""
+def build(
+    kind: str, world_size: int, batch_size: int, settings: Settings, planner: str = "host"
+) -> Any:
+    """A pipeline of ``kind`` ("plain" or "lookahead", its plans made where ``planner``
+    says) on ``DEVICE``, under DMP."""
     data = SyntheticCriteo(
         settings.table_sizes, scale=settings.scale, zipf_exponent=settings.zipf, seed=settings.seed
     )
@@ -177,7 +180,10 @@ def build(kind: str, world_size: int, batch_size: int, settings: Settings) -> An
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     if kind == "lookahead":
-        return LookaheadTrainPipeline(dmp, optimizer, DEVICE, lookahead=settings.lookahead), data
+        pipeline = LookaheadTrainPipeline(
+            dmp, optimizer, DEVICE, lookahead=settings.lookahead, planner=planner
+        )
+        return pipeline, data
     return TrainPipelineSparseDist(dmp, optimizer, DEVICE), data
 
 
@@ -189,9 +195,11 @@ def measure(
     warmup: int,
     settings: Settings,
     progress: bool = True,
+    planner: str = "host",
 ) -> dict[str, Any]:
-    """Run ``warmup + steps`` steps of a ``kind`` pipeline under fake CUDA; the row of
-    per-step medians over the last ``steps`` (see the module)."""
+    """Run ``warmup + steps`` steps of a ``kind`` pipeline under fake CUDA (lookahead's
+    plans made where ``planner`` says); the row of per-step medians over the last
+    ``steps`` (see the module)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     earlier = _tids()  # threads of something else (in a test process: other pipelines)
@@ -203,7 +211,7 @@ def measure(
             stood_in(),
             torch.no_grad(),
         ):
-            pipeline, data = build(kind, world_size, batch_size, settings)
+            pipeline, data = build(kind, world_size, batch_size, settings, planner)
             total = warmup + steps + settings.lookahead + 2  # the window stays full
             batches = [criteo_batch(data, s, batch_size).pin_memory() for s in range(total)]
             rows = _run(pipeline, iter(batches), counter, warmup + steps, progress, earlier)
@@ -214,7 +222,8 @@ def measure(
     finally:
         dist.destroy_process_group()
         torch.set_num_threads(threads)
-    return summary(kind, world_size, batch_size, rows[warmup:])
+    row = summary(kind, world_size, batch_size, rows[warmup:])
+    return {**row, "planner": planner if kind == "lookahead" else None}
 
 
 @dataclass
@@ -369,6 +378,7 @@ def stood_in() -> Iterator[None]:
 
 COLUMNS = [
     ("pipeline", "pipeline", "{:>10}"),
+    ("planner", "planner", "{:>8}"),
     ("ws", "world_size", "{:>4}"),
     ("batch", "batch_size", "{:>7}"),
     ("trainer CPU ms", "trainer_cpu_ms", "{:>15.1f}"),
@@ -385,7 +395,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     widths = [len(f.format(0 if "g" in f or "f" in f else "")) for _, _, f in COLUMNS]
     lines = ["".join(f"{name:>{w}}" for (name, _, _), w in zip(COLUMNS, widths))]
     for row in rows:
-        lines.append("".join(f.format(row[key]) for _, key, f in COLUMNS))
+        lines.append("".join(f.format(row[key] or "") for _, key, f in COLUMNS))
     return "\n".join(lines)
 
 
@@ -394,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument(
+        "--planners", nargs="+", choices=PLANNERS, default=list(PLANNERS), help="lookahead's"
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     base = Settings()
@@ -401,12 +414,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-load-factor", type=float, default=base.cache_load_factor)
     args = p.parse_args(argv)
     settings = replace(base, scale=args.scale, cache_load_factor=args.cache_load_factor)
+    kinds = [("plain", "host"), *[("lookahead", planner) for planner in args.planners]]
     runs = [
-        (kind, ws, bs) for bs in args.batch_sizes for ws in args.world_sizes for kind in PIPELINES
+        (kind, ws, bs, planner)
+        for bs in args.batch_sizes
+        for ws in args.world_sizes
+        for kind, planner in kinds
     ]
     rows = []
-    for kind, ws, bs in tqdm(runs, desc="settings"):
-        rows.append(measure(kind, ws, bs, args.steps, args.warmup, settings))
+    for kind, ws, bs, planner in tqdm(runs, desc="settings"):
+        rows.append(measure(kind, ws, bs, args.steps, args.warmup, settings, planner=planner))
         tqdm.write(table(rows[-1:]))
     print(table(rows))
     out = Path(args.out)
