@@ -559,9 +559,8 @@ def check_malformed_batches(rank: int, world_size: int) -> None:
             stream,
             refused,
         )
-    # One vote per batch, after its collectives, once a batch has passed: the first (refused
-    # before its collectives) and the second (voted on before and after them) vote apart.
-    assert sent.calls["other"] == len(stream) + 1, sent.calls
+    # One vote per batch, as it is read (no cache is capped: none after its collectives).
+    assert sent.calls["other"] == len(stream), sent.calls
     assert len(refused) == len(kinds), refused
     for i, (kind, message) in enumerate(zip(kinds, refused)):
         phrase = MALFORMED[kind][1] if i % world_size == rank else "another rank refused"
@@ -598,6 +597,57 @@ def row_wise_deduplicated_worker(rank: int, world_size: int, port: int) -> None:
         port,
         lambda: check_row_wise_refuses_deduplicated_batches(rank, world_size),
     )
+
+
+def wide_batch(batch: Batch, ids: int) -> Batch:
+    """``batch`` with its first feature's bags holding ``ids`` distinct ids in all."""
+    features = batch.sparse_features
+    lengths = features.lengths().clone()
+    stride = features.stride()
+    lengths[:stride] = torch.tensor(np.diff(np.linspace(0, ids, stride + 1).astype(np.int64)))
+    per_key = [int(n) for n in lengths.view(len(features.keys()), stride).sum(1)]
+    parts = list(features.values().split(features.length_per_key()))
+    parts[0] = torch.randperm(SIZES[0], generator=torch.Generator().manual_seed(5))[:ids]
+    assert per_key[0] == ids
+    wide = KeyedJaggedTensor(features.keys(), torch.cat(parts), lengths=lengths)
+    return Batch(batch.dense_features, wide, batch.labels)
+
+
+def check_capped_cache_refusal(rank: int, world_size: int) -> None:
+    """A cache capped by ``max_cache_rows`` is the one verdict known only after a batch is
+    distributed: a batch whose window one rank's shard cannot hold (rank 1's batch, whose
+    ids of the first table go to rank 0's shard) is refused on every rank, after the
+    collective; training goes on equal to plain TorchRec without that batch."""
+    case = Case("table_wise", "rowwise_adagrad", 4, steps=20, cache_load_factor=0.05)
+    batches, (base, base_opt, _) = rank_data_and_baseline(case, rank, world_size)
+    stream = list(batches)
+    spare = criteo_batch(SyntheticCriteo(table_sizes=SIZES, seed=500 + rank), 0, BATCH)
+    stream.insert(6, wide_batch(spare, 900) if rank == 1 else spare)
+    ebc = LookaheadEmbeddingBagCollection(
+        tables=tables(),
+        device=torch.device("meta"),
+        cache_load_factor=case.cache_load_factor,
+        max_cache_rows=360,  # a pool of a rank's tables: at most 360 slots per table
+    )
+    look, look_opt, _ = build(ebc, [LookaheadEmbeddingBagCollectionSharder()], case, world_size)
+    look.load_state_dict(base.state_dict())
+    expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
+    refused: list[str] = []
+    with CollectiveBytes() as sent:
+        pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=4)
+        got = train(pipeline, stream, refused)
+    # Two votes per batch where a cache is capped: as it is read, and after its collective.
+    assert sent.calls["other"] == 2 * len(stream), sent.calls
+    assert len(refused) == 1, refused
+    want = "max_cache_rows" if rank == 0 else "another rank refused"
+    assert want in refused[0], refused
+    assert len(got) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got)), "outputs differ"
+    assert_equal_states(base.state_dict(), look.state_dict(), "weights")
+
+
+def capped_cache_worker(rank: int, world_size: int, port: int) -> None:
+    _in_process_group(rank, world_size, port, lambda: check_capped_cache_refusal(rank, world_size))
 
 
 def malformed_worker(rank: int, world_size: int, port: int) -> None:

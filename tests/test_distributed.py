@@ -7,6 +7,7 @@ import pytest
 from tests.distributed_cases import (
     OPTIMIZERS,
     Case,
+    capped_cache_worker,
     hot_rows_worker,
     integration_worker,
     malformed_worker,
@@ -162,6 +163,10 @@ def test_a_mixed_multi_hot_model_whose_batches_widen_grows_its_cache_and_stays_e
 
 def test_malformed_batches_on_one_rank_are_refused_on_every_rank() -> None:
     spawn(malformed_worker, (2, free_port()), nprocs=2)
+
+
+def test_a_window_over_a_capped_cache_on_one_rank_is_refused_on_every_rank() -> None:
+    spawn(capped_cache_worker, (2, free_port()), nprocs=2)
 
 
 def test_canonical_use_with_the_lookahead_planner_matches_plain_torchrec() -> None:

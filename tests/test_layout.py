@@ -30,7 +30,7 @@ LAYERS = [
     {"_compat"},
     {"checks", "variable_batch", "streams", "traffic", "tbe", "determinism", "data"},
     {"oracle"},
-    {"store", "steps"},
+    {"store", "steps", "votes"},
     {"cache", "pipeline"},
     {"embedding"},
     {"testing"},

@@ -132,22 +132,25 @@ class LookaheadModule(Protocol):
     1. ``open_window(window)`` when a pipeline is built (on every rank, in the same
        order: a sharded module makes its collectives' process group here); the
        cache is emptied and the window starts at step 0.
-    2. For each batch, on the lookahead stage's thread, in data order:
-       ``prepare(features, step, refusal)`` checks it for every cached table and
-       changes nothing (``step`` is the number the stage gave the batch;
-       ``refusal``, the stage's verdict on the batch as a whole, is raised,
-       and under DMP voted on so that every rank refuses together; the
+    2. For each batch, as the stage reads it (on the host, before it moves to the
+       device): ``batch_kind_refusal(features)``, why the module cannot take a batch
+       of this kind, if it cannot; the stage's checks and these refusals are voted
+       on by every rank (:mod:`~torchrec_lookahead.votes`), and a batch refused
+       anywhere goes no further on any rank.
+    3. For each batch every rank took, on the stage's thread, in data order:
+       ``prepare(features, step)`` checks it for every cached table and
+       changes nothing (``step`` is the number the stage gave the batch; the
        sharded module distributes the batch here); then ``enter(prepared)``
        lets it into the window and returns the :class:`StepPlan` of the step
        ``L`` batches back, now complete. The stage keeps what ``prepare``
        returned (a :class:`ModuleInput`) in the batch's :class:`StepContext`.
-    3. At the end of the data, ``finish()`` returns the steps still to plan.
-    4. For each step, on the trainer's thread, once its moves have landed:
+    4. At the end of the data, ``finish()`` returns the steps still to plan.
+    5. For each step, on the trainer's thread, once its moves have landed:
        ``begin_step(context)``, then the model's forward. The module holds the
        context until the step's lookups have taken from it their slots (and,
        sharded, the distributed input), as TorchRec's pipelined forward holds
        its context.
-    5. ``write_back()`` writes updated cache rows to the store (the end of the
+    6. ``write_back()`` writes updated cache rows to the store (the end of the
        data; ``state_dict`` does it too).
 
     ``cache_metrics``, ``cached_groups`` and ``input_dist_s`` report what the
@@ -160,6 +163,8 @@ class LookaheadModule(Protocol):
     def cached_groups(self) -> list[CacheGroupLike]: ...
 
     def open_window(self, window: WindowSettings) -> None: ...
+
+    def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None: ...
 
     def prepare(
         self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None

@@ -131,6 +131,11 @@ class CacheGroup:
         self.step_counts = self._counters.step_counts
 
     @property
+    def optimizer(self) -> EmbOptimType:
+        """The fused optimizer the cache trains its rows with."""
+        return self._optimizer
+
+    @property
     def table_slots(self) -> list[int]:
         """Slots each table brings to its pool."""
         return self._sizes.slots

@@ -272,6 +272,11 @@ class CachedCollection(ModuleBase):
             features.permute([index[f] for f in self._flat_features]), features
         )
 
+    def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
+        """Nothing to vote on: an unsharded collection runs on one rank, and refuses in
+        ``prepare`` what it cannot take."""
+        return None
+
     def prepare(
         self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
     ) -> ModuleInput:

@@ -37,15 +37,10 @@ from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.settings import WindowSettings
 from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.files import StoreFiles
-from torchrec_lookahead.traffic import label
-from torchrec_lookahead.variable_batch import gather_bags
+from torchrec_lookahead.variable_batch import check_variable_batch_optimizer, gather_bags
+from torchrec_lookahead.votes import vote
 
-__all__ = [
-    "ShardedLookaheadEmbeddingBagCollection",
-    "ShardedLookaheadModule",
-    "refusals",
-    "vote",
-]
+__all__ = ["ShardedLookaheadEmbeddingBagCollection", "ShardedLookaheadModule"]
 
 if TYPE_CHECKING:
     # TorchRec's sharded collections are untyped here (Any to mypy): the mixin reads their
@@ -99,9 +94,6 @@ class ShardedLookaheadModule(ShardedBase):
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
         self._context: StepContext | None = None  # the step being run, until its forward
-        # The last batch every rank let through this module's vote since ``open_window``: a
-        # refused batch's stand-in in the collectives (see ``prepare``).
-        self._stand_in: KeyedJaggedTensor | None = None
         self._table_features = {t.name: list(t.feature_names) for t in self.table_configs()}
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
@@ -161,28 +153,21 @@ class ShardedLookaheadModule(ShardedBase):
         for group in self.cached_groups:
             group.open_window(window)
         self._context = None
-        self._stand_in = None
 
     def prepare(
         self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
     ) -> ModuleInput:
         """Distribute the batch of ``step`` (a collective), and check every shard's cache.
 
-        ``refusal`` is the stage's verdict on the batch as a whole (its structure and
-        ids, checked on the host before the batch moved, see
-        :mod:`~torchrec_lookahead.checks`). It is voted on with a batch kind this
-        collection cannot take and a window that does not fit a shard's cache, once per batch,
-        after the collective. A batch refused on any rank is refused on every
-        rank, so all ranks drop it together and their collectives stay in step:
-        a rank that refuses its batch sends the last batch that passed the vote
-        in its place, to be dropped with it. Until one has passed (the same on
-        every rank), the first refusals are voted on before the collective too.
+        The stage has voted on the batch as it read it (its structure, ids and kind, see
+        :mod:`~torchrec_lookahead.votes`): every rank gets here with it, or none does.
+        ``refusal`` (a caller that did not vote) is raised at once. A shard's cache that
+        cannot take the batch's window (its cap, ``max_cache_rows``, reached) is found
+        only after the collective: where a cap is set, every rank votes on that too, so
+        that all drop the batch together.
         """
-        error = refusal or self.batch_kind_refusal(features)
-        if self._stand_in is None or self.env.world_size == 1:
-            self._agree(error)
-        elif error is not None:
-            features = self._stand_in
+        if refusal is not None:
+            raise refusal
         start = time.thread_time()
         bound = self._ids_bound(features)
         ctx = self.create_context()
@@ -193,16 +178,19 @@ class ShardedLookaheadModule(ShardedBase):
         finally:
             self.use_input_dists(None)
         self.input_dist_s += time.thread_time() - start
-        prepared = []
+        prepared, error = [], None
         try:
             for lookup, kjt in zip(self.lookups, distributed):
                 for kernel, part in zip(lookup.kernels, lookup.kernel_features(kjt)):
-                    if error is None:
-                        prepared.append(kernel.cached.prepare(part, step, bound))
+                    prepared.append(kernel.cached.prepare(part, step, bound))
         except ValueError as caught:
             error = caught
-        self._agree(error)
-        self._stand_in = features
+        if self._sizing.max_rows or self.env.world_size == 1:
+            self._agree(error)
+        elif error is not None:  # the stage's checks let through a batch they should not
+            raise RuntimeError(
+                f"step {step}: a batch every rank accepted failed a cache's check: {error}"
+            ) from error
         return ModuleInput(prepared, (ctx, distributed))
 
     def route(
@@ -230,11 +218,21 @@ class ShardedLookaheadModule(ShardedBase):
         return bound
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
-        """Why this collection cannot take a batch of ``features``' kind, if it cannot."""
+        """Why this collection cannot take a batch of ``features``' kind (checked on the
+        host batch, as the stage reads it), if it cannot: on a GPU, a deduplicated batch
+        into a fused optimizer FBGEMM's variable-batch kernels lack."""
+        if self._collective_device.type == "cpu":  # the CPU pools variable batches padded
+            return None
+        for group in self.cached_groups:
+            try:
+                check_variable_batch_optimizer(features, group.optimizer, "this batch")
+            except ValueError as refused:
+                return refused
         return None
 
     def _agree(self, error: ValueError | None) -> None:
-        """Raise on every rank if any rank failed, so all drop the batch together."""
+        """Raise on every rank if any rank failed, so all drop the batch together (after
+        the collective: see ``prepare``)."""
         if self.env.world_size > 1:
             vote(error, self._stage_pg, self._collective_device)
         elif error is not None:
@@ -323,21 +321,3 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadModule, ShardedColl
         """The step's output, from the shards' ``output`` of the batch ``route`` sent them
         (a subclass adds what it kept in ``ctx``). Here: ``output``."""
         return output
-
-
-def vote(error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
-    """Raise ``error`` on this rank, and on every other rank of ``group`` a refusal naming
-    it, if any rank has one (so all ranks drop a batch together)."""
-    if refusals(error, group, device).item():
-        raise error or ValueError("another rank refused this batch (see its error)")
-
-
-def refusals(
-    error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device
-) -> torch.Tensor:
-    """How many ranks of ``group`` refuse: an all-reduce of a tensor on ``device``, the
-    device the group's backend takes (NCCL: CUDA only)."""
-    failed = torch.tensor([error is not None], dtype=torch.int64, device=device)
-    with label("other"):
-        dist.all_reduce(failed, group=group)
-    return failed

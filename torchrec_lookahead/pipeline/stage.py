@@ -2,19 +2,20 @@
 
 A background thread (or, if asked, the trainer itself when it asks for the
 next batch) takes batches from the data loader, checks each once
-(:func:`~torchrec_lookahead.checks.check_batch`), moves it to the device, lets
-every lookahead module ``prepare`` it (under DMP: the vote on bad batches, the
-id check and ``input_dist``, on a process group of the stage's own) and
-``enter`` it, and queues each batch with the moves of the steps it completed
-the window of. The trainer thread only takes batches off the queue in order
-and applies their plans. The oracle's inner loops release the GIL, so
-planning runs beside the step's compute.
+(:func:`~torchrec_lookahead.checks.check_batch`, and each module's
+``batch_kind_refusal``), has every rank vote on it under DMP
+(:class:`~torchrec_lookahead.votes.ReadingVote`), moves it to the device, lets
+every lookahead module ``prepare`` it (under DMP: ``input_dist``, on a process
+group of the stage's own) and ``enter`` it, and queues each batch with the
+moves of the steps it completed the window of. The trainer thread only takes
+batches off the queue in order and applies their plans. The oracle's inner
+loops release the GIL, so planning runs beside the step's compute.
 
 Inline (as on CUDA, where each rank's collectives must be issued by one
 thread), the reading still runs on a thread of its own: the loader, the
 checks on the host batch and its copy to the device are off the trainer's
-thread, which only distributes and plans batches already checked and on their
-way to the device (:class:`_Reader`).
+thread, which only distributes and plans batches already checked, voted on and
+on their way to the device (:class:`_Reader`).
 
 A batch that the check or a module refuses (``ValueError``, which
 :class:`~torchrec_lookahead.checks.BatchTypeError` is too) changes nothing and is
@@ -46,6 +47,7 @@ import torchrec_lookahead.streams as streams
 from torchrec_lookahead.checks import check_batch
 from torchrec_lookahead.idle import run_when_idle
 from torchrec_lookahead.steps import LookaheadModule, StepContext, StepPlan
+from torchrec_lookahead.votes import ReadingVote
 
 __all__ = ["LookaheadStage", "StageItem"]
 
@@ -79,6 +81,7 @@ class LookaheadStage:
             inline in ``get``, on the trainer's thread.
         rows: each feature of a lookahead module, the rows of its table: a batch's ids
             of it are checked on the host, before the batch moves to ``device``.
+        vote: under DMP with several ranks, how the ranks agree on each batch read.
     """
 
     def __init__(
@@ -88,8 +91,10 @@ class LookaheadStage:
         device: torch.device,
         threaded: bool = True,
         rows: Mapping[str, int] | None = None,
+        vote: ReadingVote | None = None,
     ) -> None:
         self.threaded = threaded
+        self._vote = vote
         self._modules = list(modules)
         self._features = dict(features)
         self._rows = dict(rows or {})
@@ -170,18 +175,17 @@ class LookaheadStage:
         return self._plan(*self._read())
 
     def _read(self) -> tuple[Any, ValueError | None, BaseException | None]:
-        """The next batch, checked on the host and on its way to the device, with the
-        check's refusal; or the reading's error (``StopIteration`` at the end of the data).
-        It may run ahead of the planning (inline, on the reader's thread), so messages name
-        the step by :data:`_STEP`, which :meth:`_plan` fills in."""
+        """The next batch, checked on the host and voted on, and on its way to the device;
+        or its refusal (this rank's or another's); or the reading's error
+        (``StopIteration`` at the end of the data). It may run ahead of the planning
+        (inline, on the reader's thread), so messages name the step by :data:`_STEP`,
+        which :meth:`_plan` fills in."""
         assert self._iter is not None, "start() first"
         try:
             batch = next(self._iter)
-            refusal = None
-            try:
-                check_batch(batch, self._features, _STEP, self._rows)
-            except ValueError as error:  # voted on by the modules (DMP: on every rank)
-                refusal = error
+            refusal = self._refusal(batch)
+            if self._vote is not None:
+                refusal = self._vote.agree(refusal)
             if refusal is None:
                 with self._lane.context():  # copied on the stage's stream, beside the trainer's
                     batch = batch.to(self._device, non_blocking=True)
@@ -189,20 +193,32 @@ class LookaheadStage:
         except (StopIteration, Exception) as error:  # the trainer raises it with its step
             return None, None, error
 
+    def _refusal(self, batch: Any) -> ValueError | None:
+        """Why this rank cannot take ``batch``: the host checks, then the modules' kinds."""
+        try:
+            check_batch(batch, self._features, _STEP, self._rows)
+        except ValueError as error:
+            return error
+        features = batch.sparse_features  # there: check_batch checked the structure
+        for module in self._modules:
+            if (refusal := module.batch_kind_refusal(features)) is not None:
+                return refusal
+        return None
+
     def _plan(
         self, batch: Any, refusal: ValueError | None, failure: BaseException | None
     ) -> StageItem:
-        """Let a read batch into the window (or its refusal be voted on) and plan it; the
-        end of the data finishes the window."""
+        """Let a read batch into the window and plan it (a refused one, on every rank,
+        goes no further); the end of the data finishes the window."""
         if isinstance(failure, StopIteration):
             return self._finish()
         if failure is not None:
             return StageItem(error=_at_step(failure, self._entered, "reading"))
         if refusal is not None:
-            refusal = _named(refusal, f"step {self._entered}")
+            return StageItem(error=_named(refusal, f"step {self._entered}"))
         try:
             with self._lane.context():  # the stage's device work, beside the trainer's
-                item = self._enter(batch, refusal)
+                item = self._enter(batch)
             item.ready = self._lane.record()
             if item.context is not None:
                 item.context.ready = item.ready
@@ -212,14 +228,13 @@ class LookaheadStage:
         except Exception as error:
             return StageItem(error=_at_step(error, self._entered, "planning"))
 
-    def _enter(self, batch: Any, refusal: ValueError | None = None) -> StageItem:
-        """Let a checked batch into every module's window, or, with ``refusal``, have the
-        modules vote on it (they raise it, or another rank's, on every rank)."""
+    def _enter(self, batch: Any) -> StageItem:
+        """Let a batch every rank took into every module's window."""
         start = time.thread_time()
         distributing = self._input_dist_s()
         features = getattr(batch, "sparse_features", None)
         step = self._entered
-        prepared = [module.prepare(features, step, refusal) for module in self._modules]
+        prepared = [module.prepare(features, step) for module in self._modules]
         item = StageItem(StepContext(step, batch, dict(zip(self._modules, prepared))))
         for module, module_input in zip(self._modules, prepared):
             plan = module.enter(module_input)

@@ -6,10 +6,11 @@ import atexit
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 from torchrec.distributed.types import ShardedModule
@@ -22,6 +23,7 @@ from torchrec_lookahead.pipeline.executor import PlanExecutor
 from torchrec_lookahead.pipeline.stage import LookaheadStage
 from torchrec_lookahead.settings import WindowSettings, check_count
 from torchrec_lookahead.steps import LookaheadModule, StepContext
+from torchrec_lookahead.votes import ReadingVote
 
 __all__ = ["LookaheadTrainPipeline"]
 
@@ -108,6 +110,7 @@ class LookaheadTrainPipeline(TrainPipeline):
             device,
             threaded=stage_on_thread(device, stage_thread),
             rows={f: n for m in self._cached for f, n in feature_rows(m).items()},
+            vote=_reading_vote(self._cached, device),
         )
         # Batches entered, not yet run, in step order: the first is the step progress() runs
         # next, the last the newest that entered (the stage numbers them).
@@ -259,6 +262,15 @@ def stage_on_thread(device: torch.device, asked: bool | None = None) -> bool:
     process group's ops run on its own connections). Inline, every collective of a rank is
     issued by one thread, in the same order on every rank."""
     return asked if asked is not None else device.type == "cpu"
+
+
+def _reading_vote(modules: Sequence[Any], device: torch.device) -> ReadingVote | None:
+    """Under DMP with several ranks, the vote the stage takes on each batch it reads (made
+    here, by every rank alike); ``None`` on one rank."""
+    envs = [m.env for m in modules if isinstance(m, ShardedModule)]
+    if not envs or envs[0].world_size == 1:
+        return None
+    return ReadingVote(dist.get_process_group_ranks(envs[0].process_group), device)
 
 
 def _check_sharded(model: torch.nn.Module) -> None:

@@ -1,0 +1,67 @@
+"""Votes: every rank's verdict on a batch, agreed, so that all ranks drop a refused batch together.
+
+Under ``DistributedModelParallel`` a batch that one rank cannot take must be
+dropped by every rank, or their collectives fall out of step. The lookahead
+stage votes on each batch as it reads it (its structure, its ids, its kind:
+checked on the host), before the batch moves to the device or reaches a
+collective (:class:`ReadingVote`); a refused batch then costs no collective
+but the vote, and no rank ever sends one. What can refuse a batch only after
+it is distributed (a cache capped by ``max_cache_rows``) is voted on again
+there (:func:`vote`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchrec_lookahead.traffic import label
+
+__all__ = ["ReadingVote", "refusals", "vote"]
+
+
+def vote(error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Raise ``error`` on this rank, and on every other rank of ``group`` a refusal naming
+    it, if any rank has one (so all ranks drop a batch together)."""
+    if refusals(error, group, device).item():
+        raise error or ValueError("another rank refused this batch (see its error)")
+
+
+def refusals(
+    error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """How many ranks of ``group`` refuse: an all-reduce of a tensor on ``device``, the
+    device the group's backend takes (NCCL: CUDA only)."""
+    failed = torch.tensor([error is not None], dtype=torch.int64, device=device)
+    with label("other"):
+        dist.all_reduce(failed, group=group)
+    return failed
+
+
+class ReadingVote:
+    """The stage's vote on each batch it reads, among ``ranks`` (every rank makes one, in
+    the same order: a collective).
+
+    Its group is gloo's where the ranks' own backend is gloo or NCCL: the vote then
+    takes a host tensor, so the reading thread waits for no device, and its
+    collective runs beside the trainer's NCCL ones on connections of its own (NCCL
+    does not promise progress to collectives issued from two threads; gloo's groups
+    are independent). Any other backend (the ``cuda:fake`` test group) votes on
+    its own kind of group, with tensors on ``device``.
+    """
+
+    def __init__(self, ranks: Sequence[int], device: torch.device) -> None:
+        on_gloo = dist.get_backend() in ("gloo", "nccl")
+        self.group = dist.new_group(ranks=list(ranks), backend="gloo" if on_gloo else None)
+        self.device = torch.device("cpu") if on_gloo else device
+
+    def agree(self, refusal: ValueError | None) -> ValueError | None:
+        """The batch's verdict on every rank: this rank's ``refusal``, or, where only
+        another rank refused, a refusal saying so; ``None`` if every rank takes it."""
+        try:
+            vote(refusal, self.group, self.device)
+        except ValueError as refused:
+            return refused
+        return None
