@@ -395,7 +395,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     widths = [len(f.format(0 if "g" in f or "f" in f else "")) for _, _, f in COLUMNS]
     lines = ["".join(f"{name:>{w}}" for (name, _, _), w in zip(COLUMNS, widths))]
     for row in rows:
-        lines.append("".join(f.format(row[key] or "") for _, key, f in COLUMNS))
+        lines.append(
+            "".join(f.format("" if row[key] is None else row[key]) for _, key, f in COLUMNS)
+        )
     return "\n".join(lines)
 
 
