@@ -133,16 +133,23 @@ def test_the_store_scatters_host_rows_into_a_device_table_without_blocking() -> 
 
 def test_a_vote_on_a_refused_batch_uses_tensors_of_the_collectives_device() -> None:
     """Defect 2: the vote all-reduced a CPU tensor on the stage's process group, which
-    under NCCL takes CUDA tensors only (``cuda:fake`` stands in for NCCL)."""
+    under NCCL takes CUDA tensors only (``cuda:fake`` stands in for NCCL). The reading
+    vote's group takes gloo where the ranks run gloo or NCCL (a host tensor), else the
+    ranks' own kind, with tensors of the device."""
     import torch.distributed as dist
 
-    from torchrec_lookahead.embedding.sharded import refusals
+    from torchrec_lookahead.votes import ReadingVote, refusals
 
     dist.init_process_group("cuda:fake", store=fake_store(), rank=0, world_size=2)
     try:
         group = dist.new_group(ranks=[0, 1])  # as the sharded module's stage group
         with fake_cuda_tensors():
             assert refusals(None, group, torch.device("cuda")).device.type == "cuda"
+        with FakeCuda(CUDA):  # the vote reads its tensor back (a shadow's)
+            reading = ReadingVote([0, 1], CUDA)
+            assert reading.device.type == "cuda" and reading.agree(None) is None
+            refused = ValueError("step \x00: bad")
+            assert reading.agree(refused) is refused
     finally:
         dist.destroy_process_group()
 
