@@ -548,9 +548,8 @@ def test_comm_report_counts_bytes_and_times_every_setting(tmp_path: Path) -> Non
     plain, hot = settings["torchrec_table_wise"], settings["lookahead_hot"]
     for kind in ("ids", "pooled", "gradients"):  # the same plan: the same all-to-alls
         assert settings["lookahead"]["bytes_per_step"][kind] == plain["bytes_per_step"][kind]
-    # The stage's vote, 8 bytes a batch, and one more at the first batch (voted on before its
-    # collectives too): (16 + 3 * 8) / 4 steps.
-    assert settings["lookahead"]["bytes_per_step"]["other"] == 10
+    # The stage's vote as it reads a batch: 8 bytes a batch, one batch a step.
+    assert settings["lookahead"]["bytes_per_step"]["other"] == 8
     assert hot["bytes_per_step"]["hot_sync"] > 0 and plain["bytes_per_step"]["hot_sync"] == 0
     assert hot["embedding_bytes_per_step"] < plain["embedding_bytes_per_step"]
     assert result["bytes_ratio"] == pytest.approx(
