@@ -3,25 +3,26 @@
 Where a group plans on the device (``planner="device"``, see
 :class:`~torchrec_lookahead.settings.WindowSettings`), each slot pool's planner is a
 :class:`~torchrec_lookahead.oracle.device.DeviceOracleCacher` on the cache's
-device and the stage's stream. :class:`DevicePlanning` is what the group does
-differently then:
+device and the stage's stream. :class:`DevicePlanning` is that
+:class:`~torchrec_lookahead.cache.planning.Planning`:
 
 * ``prepare``: the batch's ids become pool ids on the device (the features'
   offsets added, each pool's features taken out) and are deduplicated there;
   the host reads back one small tensor per batch, whether any id lies outside
   its table and the slots each pool's window needs (the group grows a pool
   that needs more, or refuses a batch, before it enters, as on the host);
-* ``distinct``: each table's distinct ids, counted on the device;
-* ``move``: a step's plan, still padded on the device, is trimmed and applied
-  by the executor, on the side stream: it reads the plan back (its counts, its
-  moves, the step's distinct ids per table) ``L - d`` steps after the stage's
-  stream made it, so the read waits for nothing in practice, and on no thread
-  of the trainer's. The step's slots never leave the device.
+* ``enter``: each table's distinct ids, counted on the device;
+* ``plan``: the step's slots stay on the device; its one move, run by the
+  executor on the side stream, reads the plan back (its counts, its moves, the
+  step's distinct ids per table) ``L - d`` steps after the stage's stream made
+  it, so the read waits for nothing in practice, and on no thread of the
+  trainer's; then it applies and counts the plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,10 +30,12 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_lookahead.streams as streams
-from torchrec_lookahead.cache.pools import SlotPool
+from torchrec_lookahead.cache.planning import GroupLayout, Planning
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.oracle.contract import CachePlanner
 from torchrec_lookahead.oracle.device import DeviceOracleCacher, DevicePlan, trimmed_plan
+from torchrec_lookahead.settings import WindowSettings
+from torchrec_lookahead.steps import StepMoves
 
 if TYPE_CHECKING:
     from torchrec_lookahead.cache.counters import TableCounters
@@ -41,61 +44,43 @@ if TYPE_CHECKING:
 __all__ = ["DevicePlanning"]
 
 
-class DevicePlanning:
-    """The device side of a cache group's planning (see the module).
-
-    Args:
-        pools: the group's slot pools.
-        feature_tables, feature_offset, feature_rows: per feature in lookup order, its
-            table, the pool id of its table's row 0, and its table's rows.
-        pool_features: each pool's features (indices in lookup order).
-        table_order: table ``t``'s place when per-pool counts are concatenated.
-        device: the cache's device.
-    """
+class DevicePlanning(Planning):
+    """Plans a group's pools with the device oracle, on the cache's device (see the module)."""
 
     def __init__(
-        self,
-        pools: Sequence[SlotPool],
-        feature_tables: np.ndarray,
-        feature_offset: np.ndarray,
-        feature_rows: np.ndarray,
-        pool_features: Sequence[np.ndarray],
-        table_order: np.ndarray,
-        device: torch.device,
+        self, layout: GroupLayout, cache: SlotCache, counters: TableCounters, window: WindowSettings
     ) -> None:
-        self.device = device
-        self._pools = list(pools)
-        self._pool_features = list(pool_features)
-        self._host_order = table_order
-        # Per feature: its index, its pool id offset and its rows; per pool, its tables'
-        # first pool ids but the first (bucket edges); the table order. Made on the device
+        super().__init__(layout, cache, counters, window)
+        self.device = cache.device
+        self._distinct: dict[int, torch.Tensor] = {}  # step -> distinct ids per table
+        # Per feature: its index, its pool id offset and its rows; the table order; per
+        # pool, its tables' first pool ids but the first (bucket edges). Made on the device
         # at the first batch, on the stream that reads them (the stage's).
         self._host_constants = [
-            np.arange(len(feature_tables)),
-            feature_offset,
-            feature_rows,
-            table_order,
-            *[pool.offsets[1:-1] for pool in self._pools],
+            np.arange(len(layout.feature_table)),
+            layout.feature_offset,
+            layout.feature_rows,
+            layout.table_order,
+            *[pool.offsets[1:-1] for pool in layout.pools],
         ]
         self._constants: list[torch.Tensor] = []
 
-    @property
-    def _device_constants(self) -> list[torch.Tensor]:
-        if not self._constants:
-            self._constants = [self._on_device(values) for values in self._host_constants]
-        return self._constants
-
-    def new_oracle(self, slots: int, lookahead: int, d: int, pool: int) -> DeviceOracleCacher:
+    def new_oracle(self, slots: int, pool: int) -> CachePlanner[Any]:
+        w = self.window
         return DeviceOracleCacher(
-            slots, lookahead, d, num_rows=self._pools[pool].num_rows, device=self.device
+            slots,
+            w.lookahead,
+            w.prefetch_distance,
+            num_rows=self.layout.pools[pool].num_rows,
+            device=self.device,
         )
 
     def prepare(
         self,
         features: KeyedJaggedTensor,
         oracles: Sequence[CachePlanner[Any]],
+        positions: Sequence[slice | np.ndarray],
         step: int,
-        feature_rows: np.ndarray,
     ) -> list[tuple[Any, int]]:
         """Each pool's batch, deduplicated on the device, and the slots its window needs.
         One read back: those counts, and whether an id lies outside its table (then
@@ -111,43 +96,49 @@ class DevicePlanning:
         ids = values.to(torch.int64)
         bad = ((ids < 0) | (ids >= rows.gather(0, feature))).any()
         ids = ids + offset.gather(0, feature)
-        edges = np.concatenate([[0], np.cumsum(lengths)])
         prepared = [
-            _device(oracle).prepare_device(self._take(ids, edges, wanted))
-            for oracle, wanted in zip(oracles, self._pool_features)
+            _device(oracle).prepare_device(
+                ids[where] if isinstance(where, slice) else ids[self._on_device(where)]
+            )
+            for oracle, where in zip(oracles, positions)
         ]
         flags = torch.stack([bad, *[batch.pinned_rows for batch in prepared]]).tolist()
         if flags[0]:
             check_feature_ids(
-                values.cpu().numpy(), lengths, features.keys(), feature_rows, f"step {step}"
+                values.cpu().numpy(),
+                lengths,
+                features.keys(),
+                self.layout.feature_rows,
+                f"step {step}",
             )
         return list(zip(prepared, flags[1:]))
 
-    def push(
-        self, oracles: Sequence[CachePlanner[Any]], batches: Sequence[Any]
-    ) -> list[DevicePlan | None]:
-        """Each pool's prepared batch into its planner's window: the plans now due."""
-        return [_device(oracle).push_device(batch) for oracle, batch in zip(oracles, batches)]
-
-    def finish(self, oracles: Sequence[CachePlanner[Any]]) -> list[list[DevicePlan]]:
-        """End of the data: each pool's plans still due."""
-        return [_device(oracle).finish_device() for oracle in oracles]
-
-    def distinct(self, batches: Sequence[Any]) -> torch.Tensor:
-        """Each table's distinct ids in ``batches`` (one per pool), in table order."""
+    def enter(
+        self,
+        step: int,
+        lookups: np.ndarray,
+        oracles: Sequence[CachePlanner[Any]],
+        batches: Sequence[Any],
+    ) -> list[Any]:
+        """The batch's distinct ids are counted on the device (with its plan, on the host)."""
+        self.counters.entered(step, lookups, None)
         table_order, *edges = self._device_constants[3:]
         counts = [_bucket_counts(batch.distinct, e) for batch, e in zip(batches, edges)]
-        return torch.cat(counts).index_select(0, table_order)
+        self._distinct[step] = torch.cat(counts).index_select(0, table_order)
+        return [_device(oracle).push_device(batch) for oracle, batch in zip(oracles, batches)]
 
-    def move(
-        self,
-        cache: SlotCache,
-        counters: TableCounters,
-        plans: Sequence[DevicePlan],
-        distinct: torch.Tensor,
-        made: object,
-        row_bytes: np.ndarray,
-    ) -> None:
+    def finish(self, oracles: Sequence[CachePlanner[Any]]) -> list[list[Any]]:
+        return [_device(oracle).finish_device() for oracle in oracles]
+
+    def plan(self, ready: list[DevicePlan]) -> tuple[torch.Tensor, StepMoves]:
+        """The step's slots stay on the device; its one move, for the executor, reads the
+        plans back once the stage's stream has made them (the event marked here)."""
+        step = ready[0].step
+        slots = torch.cat([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
+        made = streams.mark(self.device)  # after the plans, on the stage's stream
+        return slots, [partial(self._move, ready, self._distinct.pop(step), made)]
+
+    def _move(self, plans: Sequence[DevicePlan], distinct: torch.Tensor, made: object) -> None:
         """Apply one step's ``plans`` (one per pool, made before the stage's event ``made``)
         and count them with the step's ``distinct`` ids per table. Run by the executor."""
         side = streams.side_stream(self.device)
@@ -167,16 +158,19 @@ class DevicePlanning:
         trimmed = [
             trimmed_plan(plan.step, n[0], n[1], part) for plan, n, part in zip(plans, counts, parts)
         ]
-        fetched = np.concatenate(
-            [pool.table_counts(plan.fetch_ids) for pool, plan in zip(self._pools, trimmed)]
-        )[self._host_order]
-        evicted = np.concatenate(
-            [pool.table_counts(plan.evict_ids) for pool, plan in zip(self._pools, trimmed)]
-        )[self._host_order]
-        counters.planned(plans[0].step, fetched, evicted, row_bytes, head[: len(distinct)])
+        pools, per_table = self.layout.pools, self.layout.per_table
+        fetched = per_table(
+            [pool.table_counts(plan.fetch_ids) for pool, plan in zip(pools, trimmed)]
+        )
+        evicted = per_table(
+            [pool.table_counts(plan.evict_ids) for pool, plan in zip(pools, trimmed)]
+        )
+        self.counters.planned(
+            plans[0].step, fetched, evicted, self.row_bytes, head[: len(distinct)]
+        )
         for p, plan in enumerate(trimmed):
             if len(plan.fetch_ids) or len(plan.evict_ids):
-                cache.apply(p, plan)
+                self.cache.apply(p, plan)
 
     def _to_host(self, tensor: torch.Tensor) -> np.ndarray:
         """``tensor`` (on the side stream) in host memory: copied into page-locked memory
@@ -188,13 +182,11 @@ class DevicePlanning:
         streams.side_stream(self.device).drain()
         return host.numpy()
 
-    def _take(self, ids: torch.Tensor, edges: np.ndarray, features: np.ndarray) -> torch.Tensor:
-        """The ids of ``features`` (``edges``: where each feature's ids start): a view
-        where they are consecutive, as for a pool of one table or of every table."""
-        if features[-1] - features[0] + 1 == len(features):
-            return ids[int(edges[features[0]]) : int(edges[features[-1] + 1])]
-        where = np.concatenate([np.arange(edges[f], edges[f + 1]) for f in features])
-        return ids.index_select(0, self._on_device(where))
+    @property
+    def _device_constants(self) -> list[torch.Tensor]:
+        if not self._constants:
+            self._constants = [self._on_device(values) for values in self._host_constants]
+        return self._constants
 
     def _on_device(self, values: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))

@@ -33,14 +33,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead.cache.counters import TableCounters
 from torchrec_lookahead.cache.device_plans import DevicePlanning
+from torchrec_lookahead.cache.host_plans import HostPlanning
+from torchrec_lookahead.cache.planning import GroupLayout, Planning
 from torchrec_lookahead.cache.pools import slot_pools
 from torchrec_lookahead.cache.sizing import TableSlots
 from torchrec_lookahead.cache.slot_cache import SlotCache
-from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.oracle import OracleCacher, PartitionedOracle
 from torchrec_lookahead.oracle.contract import CachePlanner
-from torchrec_lookahead.oracle.device import DevicePlan
 from torchrec_lookahead.settings import WindowSettings
 from torchrec_lookahead.steps import PreparedGroup, StepContext, StepMoves, StepPlan
 from torchrec_lookahead.store.stores import HostStore
@@ -108,19 +107,21 @@ class CacheGroup:
         for p, pool in enumerate(self.pools):
             pool_of_table[list(pool.tables)] = p
             offset_of_table[list(pool.tables)] = pool.offsets[:-1]
-        self._feature_table = tables
-        # Table t's place when per-pool counts are concatenated pool by pool.
-        self._table_order = np.argsort(np.concatenate([p.tables for p in self.pools]))
-        self._feature_rows = np.asarray(self.num_rows, dtype=np.int64)[tables]
-        self._feature_offset = offset_of_table[tables]
-        self._offset_ids = bool(self._feature_offset.any())
-        # Each pool's features in lookup order; a table's features are consecutive, so a
-        # pool of one table (or of every table) reads one slice of the batch.
-        self._pool_features = [
-            np.flatnonzero(pool_of_table[tables] == p) for p in range(len(self.pools))
-        ]
+        self._layout = GroupLayout(
+            self.names,
+            self.pools,
+            feature_table=tables,
+            feature_offset=offset_of_table[tables],
+            feature_rows=np.asarray(self.num_rows, dtype=np.int64)[tables],
+            # A table's features are consecutive, so a pool of one table (or of every
+            # table) reads one slice of the batch.
+            pool_features=[
+                np.flatnonzero(pool_of_table[tables] == p) for p in range(len(self.pools))
+            ],
+            table_order=np.argsort(np.concatenate([p.tables for p in self.pools])),
+        )
         self._window = WindowSettings(1, 1)  # set by open_window
-        self._device: DevicePlanning | None = None  # set by open_window where the device plans
+        self._planning: Planning | None = None  # set by open_window
         self._oracles: list[CachePlanner[Any]] | None = None  # built at the window's first batch
         self._context: StepContext | None = None  # the step being run, until its lookup
         self._dirty = False  # cache rows updated since the last write-back
@@ -165,7 +166,7 @@ class CacheGroup:
         self.write_back()
         self.cache.clear()
         self._window = window
-        self._device = self._device_planning(window)
+        self._planning = self._planning_for(window)
         self._oracles = None
         self._pending_growth = None  # the next window's first batch sizes the cache
         self._context = None
@@ -191,12 +192,14 @@ class CacheGroup:
             check_variable_batch_optimizer(features, self._optimizer, f"step {step}")
         lengths = features.length_per_key()
         edges = np.concatenate([[0], np.cumsum(lengths)])
-        positions = [_positions(edges, features) for features in self._pool_features]
+        positions = [_positions(edges, features) for features in self._layout.pool_features]
         order = None
         if len(self.pools) > 1:
             places = np.concatenate([np.arange(edges[-1])[where] for where in positions])
             order = streams.to_device(torch.from_numpy(places), self.cache.device)
-        lookups = np.bincount(self._feature_table, weights=lengths, minlength=len(self.names))
+        lookups = np.bincount(
+            self._layout.feature_table, weights=lengths, minlength=len(self.names)
+        )
         lookups = lookups.astype(np.int64)
         oracles, sizing, table_slots = self._oracles, None, self.table_slots
         if oracles is None:
@@ -206,15 +209,11 @@ class CacheGroup:
                 most = np.maximum(lookups, extra)
             table_slots = self._sizes.sized_for(most, self._window.prefetch_distance)
             oracles = [
-                self._new_oracle(slots, p)
+                self._built_planning.new_oracle(slots, p)
                 for p, slots in enumerate(self._sizes.per_pool(table_slots))
             ]
             sizing = (table_slots, oracles)
-        sized: list[tuple[Any, int]]
-        if self._device is not None:
-            sized = self._device.prepare(features, oracles, step, self._feature_rows)
-        else:
-            sized = self._prepare_on_host(features, oracles, positions, step)
+        sized = self._built_planning.prepare(features, oracles, positions, step)
         batches = [batch for batch, _ in sized]
         growth = self._sizes.growth(
             self._sizes.per_pool(table_slots),
@@ -231,23 +230,13 @@ class CacheGroup:
             self._install(*prepared.sizing)
         if prepared.growth is not None:
             self._grow(prepared.growth, prepared.step)
-        if self._device is not None:
-            self._counters.entered(prepared.step, prepared.lookups, None)  # distinct: with the plan
-            self._distinct[prepared.step] = self._device.distinct(prepared.batches)
-            return self._planned(self._device.push(self._built_oracles, prepared.batches))
-        distinct = np.concatenate(
-            [pool.table_counts(batch.unique) for pool, batch in zip(self.pools, prepared.batches)]
-        )
-        self._counters.entered(prepared.step, prepared.lookups, distinct[self._table_order])
-        if self.cache.store.reads_ahead:
-            self._read_ahead(prepared)
-        plans = [oracle.push(batch) for oracle, batch in zip(self._built_oracles, prepared.batches)]
+        step, oracles = prepared.step, self._built_oracles
+        plans = self._built_planning.enter(step, prepared.lookups, oracles, prepared.batches)
         return self._planned(plans)
 
     def finish(self) -> list[StepPlan]:
         """End of the data: the steps still to plan, with shorter windows."""
-        oracles = self._oracles or []
-        remaining = self._device.finish(oracles) if self._device else [o.finish() for o in oracles]
+        remaining = self._built_planning.finish(self._oracles or [])
         return [planned for step in zip(*remaining) if (planned := self._planned(list(step)))]
 
     def begin_step(self, context: StepContext) -> None:
@@ -284,6 +273,12 @@ class CacheGroup:
             self._dirty = False
 
     # ------------------------------------------------------------ internals
+
+    @property
+    def _built_planning(self) -> Planning:
+        """How the pools are planned in this window (set by ``open_window``)."""
+        assert self._planning is not None, "open_window first"
+        return self._planning
 
     @property
     def _built_oracles(self) -> list[CachePlanner[Any]]:
@@ -331,7 +326,8 @@ class CacheGroup:
                 )
         self._sizes.slots = table_slots
         store = self.cache.store
-        self._row_bytes = np.array([store.bytes_per_row(t) for t in range(len(self.names))])
+        row_bytes = [store.bytes_per_row(t) for t in range(len(self.names))]
+        self._built_planning.row_bytes = np.array(row_bytes, dtype=np.int64)
         if self._sizes.per_pool(table_slots) != self.cache.slots:
             self.cache.resize(self._sizes.per_pool(table_slots))
         self._oracles = oracles
@@ -349,116 +345,23 @@ class CacheGroup:
         in_batch[order] = slots
         return in_batch
 
-    def _read_ahead(self, prepared: PreparedGroup) -> None:
-        """Start reading the rows this batch's step may fetch: those not resident now.
-
-        L + d steps before they are needed, so disk latency hides behind the
-        window; a row evicted before its step comes is read again on demand.
-        """
-        rows = [
-            (table, ids)
-            for pool, oracle, batch in zip(self.pools, self._built_oracles, prepared.batches)
-            for table, ids, _ in pool.by_table(oracle.absent(batch))
-        ]
-        self.cache.store.read_ahead(rows)
-
-    def _prepare_on_host(
-        self,
-        features: KeyedJaggedTensor,
-        oracles: list[CachePlanner[Any]],
-        positions: list[slice | np.ndarray],
-        step: int,
-    ) -> list[tuple[Any, int]]:
-        """Each pool's batch prepared by its host planner (the ids copied to the host and
-        checked there), and the slots its window needs."""
-        values = features.values().cpu().numpy()
-        lengths = features.length_per_key()
-        check_feature_ids(values, lengths, features.keys(), self._feature_rows, f"step {step}")
-        ids = values + np.repeat(self._feature_offset, lengths) if self._offset_ids else values
-        per_pool = [ids[where] for where in positions] if len(self.pools) > 1 else [ids]
-        return [oracle.prepare_sized(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
-
-    def _device_planning(self, window: WindowSettings) -> DevicePlanning | None:
-        """Where this group's plans are made in ``window`` (see ``WindowSettings.planner``):
-        the device's planning, or ``None`` for the host's."""
+    def _planning_for(self, window: WindowSettings) -> Planning:
+        """Where this group's plans are made in ``window`` (``WindowSettings.planner``)."""
         if window.planner == "host":
-            return None
+            return HostPlanning(self._layout, self.cache, self._counters, window)
         if self.cache.store.reads_ahead:
             raise ValueError(
                 "planner='device' cannot plan tables in a disk store (store_dir): it reads "
                 "rows ahead from the host's plans; use planner='host'"
             )
-        self._distinct: dict[int, torch.Tensor] = {}  # step -> distinct ids per table (device)
-        return DevicePlanning(
-            self.pools,
-            self._feature_table,
-            self._feature_offset,
-            self._feature_rows,
-            self._pool_features,
-            self._table_order,
-            self.cache.device,
-        )
-
-    def _new_oracle(self, slots: int, pool: int) -> CachePlanner[Any]:
-        w = self._window
-        if self._device is not None:
-            return self._device.new_oracle(slots, w.lookahead, w.prefetch_distance, pool)
-        num_rows = self.pools[pool].num_rows
-        first_table = self.names[self.pools[pool].tables[0]]
-        row_table = self.cache.store.row_table(f"oracle.{first_table}.{pool}")
-        if w.planning_workers == 1 or slots < 2:
-            return OracleCacher(
-                slots, w.lookahead, w.prefetch_distance, num_rows=num_rows, row_table=row_table
-            )
-        return PartitionedOracle(
-            slots,
-            w.lookahead,
-            w.prefetch_distance,
-            num_rows=num_rows,
-            partitions=min(w.planning_workers, slots),
-            row_table=row_table,
-        )
+        return DevicePlanning(self._layout, self.cache, self._counters, window)
 
     def _planned(self, plans: list[Any]) -> StepPlan | None:
         ready = [plan for plan in plans if plan is not None]  # the pools plan in lockstep
         if not ready:
             return None
-        if self._device is not None:
-            return self._planned_on_device(ready)
-        step = ready[0].step
-        slots = np.concatenate([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
-        step_slots = streams.to_device(torch.from_numpy(slots), self.cache.device)
-        order = self._table_order
-        fetched = np.concatenate(
-            [pool.table_counts(plan.fetch_ids) for pool, plan in zip(self.pools, ready)]
-        )[order]
-        evicted = np.concatenate(
-            [pool.table_counts(plan.evict_ids) for pool, plan in zip(self.pools, ready)]
-        )[order]
-        self._counters.planned(step, fetched, evicted, self._row_bytes)
-        moves: StepMoves = [
-            partial(self.cache.apply, p, plan)
-            for p, plan in enumerate(ready)
-            if len(plan.fetch_ids) or len(plan.evict_ids)
-        ]
-        return StepPlan(step, moves, {self: step_slots}, self._take_growths())
-
-    def _planned_on_device(self, ready: list[DevicePlan]) -> StepPlan:
-        """A step planned on the device: its slots stay there; its moves, one for the
-        executor, read the plans back once the stage's stream has made them."""
-        assert self._device is not None
-        step = ready[0].step
-        slots = torch.cat([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
-        move = partial(
-            self._device.move,
-            self.cache,
-            self._counters,
-            ready,
-            self._distinct.pop(step),
-            streams.mark(self.cache.device),  # after the plans, on the stage's stream
-            self._row_bytes,
-        )
-        return StepPlan(step, [move], {self: slots}, self._take_growths())
+        slots, moves = self._built_planning.plan(ready)
+        return StepPlan(ready[0].step, moves, {self: slots}, self._take_growths())
 
     def _take_growths(self) -> StepMoves:
         """The cache's growth, for the first plan made since a pool's planner grew (it may
