@@ -32,6 +32,7 @@ from tests.models import (
     session_batches,
 )
 from torchrec_lookahead import LookaheadTrainPipeline
+from torchrec_lookahead.settings import PLANNERS
 from torchrec_lookahead.testing.resident import FullyResidentEmbeddingBagCollection
 
 pytestmark = pytest.mark.cuda
@@ -60,9 +61,12 @@ def cuda_model_and_twin(optimizer: str):
     return model, twin
 
 
+@pytest.mark.parametrize("planner", PLANNERS)
 @pytest.mark.parametrize("dedup", [False, True])
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_unsharded_cuda_cache_matches_all_resident_training(dedup: bool, optimizer: str) -> None:
+def test_unsharded_cuda_cache_matches_all_resident_training(
+    dedup: bool, optimizer: str, planner: str
+) -> None:
     data = session_batches(40, session=4, dedup=True) if dedup else batches(40)
     model, twin = cuda_model_and_twin(optimizer)
     dense = torch.optim.SGD(twin.over.parameters(), lr=DENSE_LR)
@@ -73,9 +77,8 @@ def test_unsharded_cuda_cache_matches_all_resident_training(dedup: bool, optimiz
         loss.backward()
         dense.step()
         expected.append(logits)
-    pipeline = LookaheadTrainPipeline(
-        model, torch.optim.SGD(model.over.parameters(), lr=DENSE_LR), CUDA, lookahead=8
-    )
+    dense = torch.optim.SGD(model.over.parameters(), lr=DENSE_LR)
+    pipeline = LookaheadTrainPipeline(model, dense, CUDA, lookahead=8, planner=planner)
     got, it = [], iter(data)
     while True:
         try:
