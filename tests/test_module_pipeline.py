@@ -140,3 +140,35 @@ def test_metrics_count_lookups_hits_and_moves() -> None:
     row_bytes = 4 * (8 + 1)  # t0: dim 8 weights + one row-wise Adagrad state
     t0 = metrics["unweighted.t0"]
     assert t0.bytes_moved == (t0.rows_fetched + t0.rows_written_back) * row_bytes
+
+
+def test_each_step_reaches_the_modules_through_their_forward_and_eval_through_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As TorchRec's pipelines do, the pipeline stands in for each lookahead module's forward:
+    a step's forward is ``step_forward`` with that step's context; a forward between steps
+    (eval) is the module's own; closing the pipeline gives the modules their forward back."""
+    from torchrec_lookahead.pipeline.forward import StepForward
+
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    cls = type(model.unweighted)
+    steps: list[int] = []
+    step_forward = cls.step_forward
+
+    def spy(self, context, *args, **kwargs):
+        steps.append(context.step)
+        return step_forward(self, context, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "step_forward", spy)
+    dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+    with LookaheadTrainPipeline(model, dense, torch.device("cpu"), lookahead=2) as pipeline:
+        assert isinstance(vars(model.unweighted)["forward"], StepForward)
+        it = iter(DATA)
+        for _ in range(3):
+            pipeline.progress(it)
+        assert steps == [0, 0, 1, 1, 2, 2]  # both collections of the model, each step
+        model.eval()
+        with torch.no_grad():
+            model(DATA[0])  # the full tables, not the cache
+        assert steps == [0, 0, 1, 1, 2, 2]
+    assert "forward" not in vars(model.unweighted) and "forward" not in vars(model.weighted)

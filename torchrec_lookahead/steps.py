@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -145,11 +145,12 @@ class LookaheadModule(Protocol):
        ``L`` batches back, now complete. The stage keeps what ``prepare``
        returned (a :class:`ModuleInput`) in the batch's :class:`StepContext`.
     4. At the end of the data, ``finish()`` returns the steps still to plan.
-    5. For each step, on the trainer's thread, once its moves have landed:
-       ``begin_step(context)``, then the model's forward. The module holds the
-       context until the step's lookups have taken from it their slots (and,
-       sharded, the distributed input), as TorchRec's pipelined forward holds
-       its context.
+    5. For each step, on the trainer's thread, once its moves have landed: the
+       model's forward, in which the module's forward is
+       ``step_forward(context, ...)`` (the pipeline stands in for the module's
+       forward, as TorchRec's pipelines do: :mod:`~torchrec_lookahead.pipeline.forward`).
+       Its lookups take their slots (and, sharded, the distributed input) from
+       ``context``.
     6. ``write_back()`` writes updated cache rows to the store (the end of the
        data; ``state_dict`` does it too).
 
@@ -174,7 +175,7 @@ class LookaheadModule(Protocol):
 
     def finish(self) -> list[StepPlan]: ...
 
-    def begin_step(self, context: StepContext) -> None: ...
+    def step_forward(self, context: StepContext, *args: Any, **kwargs: Any) -> Any: ...
 
     def write_back(self) -> None: ...
 

@@ -7,8 +7,8 @@ way: ``prepare`` a batch's features (for the step the stage numbered it),
 ``enter`` them (a step's plan comes back as a
 :class:`~torchrec_lookahead.steps.StepPlan`: its moves for the executor, its
 slots for the lookups), ``begin_step`` with the step's
-:class:`~torchrec_lookahead.steps.StepContext` before the step's forward, whose
-``lookup`` takes the step's slots from that context. Tables of equal row width
+:class:`~torchrec_lookahead.steps.StepContext` (the module's ``step_forward`` does),
+whose ``lookup`` then takes the step's slots from that context. Tables of equal row width
 share a slot pool and one oracle (:mod:`~torchrec_lookahead.cache.pools`), so
 planning costs one oracle call per pool and step whatever the number of tables.
 How many slots each table brings, and how a pool grows, is

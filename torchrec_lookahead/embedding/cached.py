@@ -299,10 +299,12 @@ class CachedCollection(ModuleBase):
         """End of the data: the steps still to plan, with shorter windows."""
         return finish_groups(self._opened)
 
-    def begin_step(self, context: StepContext) -> None:
-        """The next forward runs ``context``'s step (its lookups take the slots from there)."""
+    def step_forward(self, context: StepContext, *args: Any, **kwargs: Any) -> Any:
+        """The forward of ``context``'s step (the pipeline's stand-in for ``forward`` calls
+        it): the lookups take the step's slots from ``context``."""
         for group in self._opened:
             group.begin_step(context)
+        return type(self).forward(self, *args, **kwargs)
 
     def write_back(self) -> None:
         """Write updated cache rows back to the store (the rows stay cached)."""

@@ -93,7 +93,6 @@ class ShardedLookaheadModule(ShardedBase):
         # Collectives take tensors of the device the sharded module computes on (NCCL: CUDA).
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
-        self._context: StepContext | None = None  # the step being run, until its forward
         self._table_features = {t.name: list(t.feature_names) for t in self.table_configs()}
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
@@ -152,7 +151,6 @@ class ShardedLookaheadModule(ShardedBase):
         self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.open_window(window)
-        self._context = None
 
     def prepare(
         self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
@@ -244,12 +242,17 @@ class ShardedLookaheadModule(ShardedBase):
     def finish(self) -> list[StepPlan]:
         return finish_groups(self.cached_groups)
 
-    def begin_step(self, context: StepContext) -> None:
-        """The next forward runs ``context``'s step: it takes from there the input the stage
-        distributed when the batch entered the window, and its lookups the step's slots."""
+    def step_forward(self, context: StepContext, *args: Any, **kwargs: Any) -> Any:
+        """The forward of ``context``'s step (the pipeline's stand-in for ``forward`` calls
+        it, with the batch, which the stage distributed when it entered the window): the
+        output of the input distributed then, its lookups taking the step's slots. Any
+        other forward (eval) is TorchRec's own, its kernels reading the store."""
         for group in self.cached_groups:
             group.begin_step(context)
-        self._context = context
+        step_input = context.inputs[self]
+        assert step_input.distributed is not None  # a sharded module's input is distributed
+        ctx, distributed = step_input.distributed
+        return self.step_output(ctx, distributed)
 
     def write_back(self) -> None:
         for kernel in self.kernels:
@@ -264,15 +267,6 @@ class ShardedLookaheadModule(ShardedBase):
         return out
 
     # -------------------------------------------------------------- module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        context, self._context = self._context, None
-        if context is None:
-            return super().forward(*args, **kwargs)  # eval: kernels read the store
-        step_input = context.inputs[self]
-        assert step_input.distributed is not None  # a sharded module's input is distributed
-        ctx, distributed = step_input.distributed
-        return self.step_output(ctx, distributed)
 
     def step_output(self, ctx: Any, distributed: Any) -> Any:
         """The step's output from the input the stage distributed (TorchRec's lookups and

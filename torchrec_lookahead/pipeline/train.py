@@ -20,6 +20,7 @@ from torchrec_lookahead.checks import not_sharded
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import load_kernels
 from torchrec_lookahead.pipeline.executor import PlanExecutor
+from torchrec_lookahead.pipeline.forward import StepForward
 from torchrec_lookahead.pipeline.stage import LookaheadStage
 from torchrec_lookahead.settings import WindowSettings, check_count
 from torchrec_lookahead.steps import LookaheadModule, StepContext
@@ -118,6 +119,10 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._issued = 0  # steps whose moves went to the executor
         self._data_done = False
         self._executor = PlanExecutor(device)
+        # The step whose forward runs (None between steps): what each lookahead module's
+        # forward, stood in for by a StepForward as TorchRec's pipelines do, hands it.
+        self._running: StepContext | None = None
+        self._forwards = [StepForward.install(m, lambda: self._running) for m in self._cached]
         # Seconds the trainer spent: waiting for the stage's next planned batch (planning
         # on the critical path), waiting for rows to land, and in forward / backward /
         # optimizer. The stage's own busy time is in ``stage_timings``.
@@ -171,6 +176,8 @@ class LookaheadTrainPipeline(TrainPipeline):
         _OPEN.discard(self)
         self._stage.close()
         self._executor.close()
+        for forward in self._forwards:
+            forward.restore()
 
     def __enter__(self) -> LookaheadTrainPipeline:
         return self
@@ -196,11 +203,13 @@ class LookaheadTrainPipeline(TrainPipeline):
 
         start = time.perf_counter()
         self._stage.hand_over(context)
-        for module in self._cached:
-            module.begin_step(context)
         if self._model.training:
             self._optimizer.zero_grad()
-        losses, output = self._model(context.batch)
+        self._running = context
+        try:
+            losses, output = self._model(context.batch)
+        finally:
+            self._running = None
         if self._model.training:
             torch.sum(losses, dim=0).backward()
             self._optimizer.step()
