@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from common import dlrm_train, machine
@@ -77,6 +78,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from torchrec_lookahead import (
+    DeviceOracleCacher,
     LookaheadEmbeddingBagCollection,
     LookaheadEmbeddingBagCollectionSharder,
     LookaheadTrainPipeline,
@@ -401,6 +403,40 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def planner_dispatch(steps: int = 200, warmup: int = 50) -> dict[str, float]:
+    """What the device oracle's step costs a host where its ops cost nothing but their
+    dispatch: one pool's ``prepare_device`` and ``push_device`` on CPU tensors of 32 ids (a
+    64-slot cache, L = 16), the median thread CPU per step; and the device ops the same
+    step issues on ``cuda:0`` (counted under fake CUDA), with its host waits. Unlike the
+    numba oracle's, this cost does not grow with the batch: on a GPU host each op is one
+    launch (views none), whatever its size."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    batches = [torch.from_numpy(rng.integers(0, 1000, 32)) for _ in range(warmup + steps)]
+    oracle = DeviceOracleCacher(64, 16, 1, num_rows=1000, device="cpu")
+    cpu_s = []
+    for i, batch in enumerate(batches):
+        start = time.thread_time()
+        oracle.push_device(oracle.prepare_device(batch))
+        if i >= warmup:
+            cpu_s.append(time.thread_time() - start)
+    torch.set_num_threads(threads)
+    with FakeCuda(DEVICE) as fake, HostCounter(fake) as counter:
+        oracle = DeviceOracleCacher(64, 16, 1, num_rows=1000, device=DEVICE)
+        for batch in batches[:warmup]:
+            oracle.push_device(oracle.prepare_device(batch.to(DEVICE)))
+        ids = batches[warmup].to(DEVICE)
+        before = counter.tally().copy()
+        oracle.push_device(oracle.prepare_device(ids))
+        step = counter.tally().minus(before)
+    return {
+        "cpu_ms_per_step": 1e3 * statistics.median(cpu_s),
+        "device_ops_per_step": step.device_ops,
+        "host_waits_per_step": step.host_waits,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
@@ -428,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(kind, ws, bs, args.steps, args.warmup, settings, planner=planner))
         tqdm.write(table(rows[-1:]))
     print(table(rows))
+    dispatch = planner_dispatch()
+    print(
+        "the device oracle's step, dispatch only (one pool, CPU tensors of 32 ids): "
+        f"{dispatch['cpu_ms_per_step']:.2f} ms of CPU, {dispatch['device_ops_per_step']} "
+        f"device ops, {dispatch['host_waits_per_step']} host waits"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {
@@ -443,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "stood_in": STOOD_IN,
         "rows": rows,
+        "planner_dispatch": dispatch,
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {out / 'report.json'}")

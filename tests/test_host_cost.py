@@ -113,6 +113,14 @@ def test_the_report_has_its_keys(
     assert host_cost.main(flags) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert {"rows", "settings", "machine", "stood_in", "command", "date"} <= set(report)
+    assert report["planner_dispatch"]["host_waits_per_step"] == 0
     got = [(row["pipeline"], row["planner"]) for row in report["rows"]]
     assert got == [("plain", "host"), ("lookahead", "host"), ("lookahead", "device")]
     assert all(KEYS <= set(row) for row in report["rows"])
+
+
+def test_the_device_oracles_step_issues_a_fixed_number_of_ops_and_waits_for_nothing() -> None:
+    first, second = host_cost.planner_dispatch(5, 20), host_cost.planner_dispatch(5, 30)
+    assert first["host_waits_per_step"] == second["host_waits_per_step"] == 0
+    assert first["device_ops_per_step"] == second["device_ops_per_step"] > 0
+    assert first["cpu_ms_per_step"] > 0
