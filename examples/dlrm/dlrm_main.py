@@ -140,6 +140,7 @@ def train(
             device,
             lookahead=args.lookahead,
             prefetch_distance=args.prefetch_distance,
+            planner=args.planner,
         )
     else:
         pipeline = TrainPipelineSparseDist(dmp, optimizer, device)

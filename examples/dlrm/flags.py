@@ -112,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Lookahead caching.
     p.add_argument("--lookahead", type=int, default=16)
     p.add_argument("--prefetch_distance", type=int, default=1)
+    p.add_argument(
+        "--planner",
+        choices=["host", "device"],
+        default="host",
+        help="where each step's plan is made: the numba oracle on the host, or the device "
+        "oracle on the training device (LookaheadTrainPipeline's planner=)",
+    )
     p.add_argument("--cache_load_factor", type=float, default=0.1)
     p.add_argument(
         "--store_dir",

@@ -129,7 +129,8 @@ def report(
     steps = f"{ran} steps" if asked in (None, ran) else f"{ran} of the {asked} steps asked"
     settings = (
         f"DLRM ({args.interaction_type}), world size {world_size}, batch {args.batch_size} "
-        f"per rank, {steps}, lookahead {args.lookahead}, "
+        f"per rank, {steps}, lookahead {args.lookahead}"
+        f"{', planned on the device' if args.planner == 'device' else ''}, "
         f"{'row-wise Adagrad' if args.adagrad else 'SGD'}; cache "
         f"{cache_rows:,} of {rows:,} rows ({cache_rows / rows:.1%})"
     )
