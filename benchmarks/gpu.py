@@ -62,9 +62,10 @@ STAGE_THREAD = {"default": None, "inline": False, "thread": True}  # --stage: st
 PLANNED = {"lookahead": "host", "lookahead-device": "device"}
 
 
-def settings(fractions: list[float]) -> list[tuple[str, float | None]]:
+def settings(fractions: list[float], planners: list[str]) -> list[tuple[str, float | None]]:
+    lookahead = [kind for kind, planner in PLANNED.items() if planner in planners]
     return [("fused", None)] + [
-        (kind, f) for kind in ("uvm-lru", "uvm-lfu", *PLANNED) for f in fractions
+        (kind, f) for kind in ("uvm-lru", "uvm-lfu", *lookahead) for f in fractions
     ]
 
 
@@ -210,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         help="lookahead's stage: the library's default (inline on CUDA), or on its thread",
     )
     p.add_argument("--planning-workers", type=int, default=1, help="lookahead's planning threads")
+    p.add_argument(
+        "--planners",
+        nargs="+",
+        choices=sorted(set(PLANNED.values())),
+        default=sorted(set(PLANNED.values())),
+        help="where lookahead's plans are made (one setting each)",
+    )
     p.add_argument("--cache-fractions", type=float, nargs="+", default=[0.02, 0.05, 0.10])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="rounds over every setting, alternated")
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [
             [
                 measure(kind, fraction, args, device)
-                for kind, fraction in settings(args.cache_fractions)
+                for kind, fraction in settings(args.cache_fractions, args.planners)
             ]
             for _ in range(args.repeats)
         ]
