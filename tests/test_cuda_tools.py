@@ -9,6 +9,8 @@ fake with real values behind them, and refuse device mismatches as a GPU does.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -66,6 +68,38 @@ def test_memory_used_on_another_stream_is_recorded_there_before_it_is_freed() ->
     with StreamChecker("cpu") as checker:
         used_elsewhere(record=True)
     assert checker.errors == []
+
+
+def test_a_thread_knows_what_its_starter_synchronised_with_before_starting_it() -> None:
+    """A free in another thread (a garbage collection, say) is safe once the host waited for
+    every use, if that thread was started after the wait; one started before knows nothing."""
+
+    def made_and_used() -> list[torch.Tensor]:
+        side, held = streams.side_stream("cpu"), []
+        side.run(lambda: held.append(torch.ones(4) * 2))  # made on the side stream
+        side.current_waits(side.record())
+        held[0].sum()  # used on the trainer's stream
+        return held
+
+    def free_in(thread: threading.Thread) -> None:
+        thread.start()
+        thread.join()
+
+    with StreamChecker("cpu") as checker:
+        held = made_and_used()
+        streams.side_stream("cpu").drain()
+        streams.mark("cpu").synchronize()  # the host waited for both streams
+        free_in(threading.Thread(target=held.clear))
+    assert checker.errors == []
+    with pytest.raises(StreamError, match="freed while the trainer's stream .* may still use it"):
+        with StreamChecker("cpu"):
+            go, held = threading.Event(), made_and_used()
+            early = threading.Thread(target=lambda: (go.wait(), held.clear()))
+            early.start()  # before the wait: it knows nothing of it
+            streams.side_stream("cpu").drain()
+            streams.mark("cpu").synchronize()
+            go.set()
+            early.join()
 
 
 def test_rows_are_followed_one_by_one_for_index_operators() -> None:

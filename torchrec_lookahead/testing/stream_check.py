@@ -48,7 +48,7 @@ import torchrec_lookahead.streams as streams
 from torchrec_lookahead._compat import DispatchMode
 from torchrec_lookahead.testing.operator_access import OperatorAccesses, tensors_in
 from torchrec_lookahead.testing.races import TrackedStorage, Use
-from torchrec_lookahead.testing.threads import in_new_threads
+from torchrec_lookahead.testing.threads import in_new_threads, on_start
 
 __all__ = ["CheckedStream", "StreamChecker", "StreamError"]
 
@@ -138,6 +138,7 @@ class StreamChecker(streams.StreamBackend):
         self._active = False
         self._modes: list[tuple[int, Any]] = []
         self._blocks: list[Any] = []
+        self._inherited: dict[threading.Thread, dict[int, int]] = {}
 
     # ------------------------------------------------------------ the block
 
@@ -148,9 +149,11 @@ class StreamChecker(streams.StreamBackend):
             torch.set_num_threads(self._intra_op)
         backend = streams.use_backend(self)
         backend.__enter__()
+        starts = on_start(self._starting)
+        starts.__enter__()
         threads = in_new_threads(self._enter_thread)
         threads.__enter__()
-        self._blocks = [backend, threads]
+        self._blocks = [backend, starts, threads]
         self._enter_thread()
         return self
 
@@ -167,7 +170,15 @@ class StreamChecker(streams.StreamBackend):
         if exc[0] is None:
             self.check()
 
+    def _starting(self, thread: threading.Thread) -> None:
+        """A thread is being started: it will know what its starter's host knows now (the
+        streams it has synchronised with), as on a GPU."""
+        with self._lock:
+            self._inherited[thread] = dict(self._host_clock())
+
     def _enter_thread(self) -> None:
+        with self._lock:
+            self._local.host = self._inherited.pop(threading.current_thread(), {})
         mode = _Watch(self)
         mode.__enter__()
         self._modes.append((threading.get_ident(), mode))
