@@ -678,7 +678,7 @@ def check_tracing_beside_the_stage(rank: int, world_size: int, hold: int) -> Non
     look.load_state_dict(base.state_dict())
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
 
-    asked, go, traced, prepared, done = (threading.Event() for _ in range(5))
+    asked, go, traced, distributed, done = (threading.Event() for _ in range(5))
 
     def loader():  # the stage waits at batch ``hold`` until the trace runs
         for step, batch in enumerate(batches):
@@ -688,22 +688,23 @@ def check_tracing_beside_the_stage(rank: int, world_size: int, hold: int) -> Non
             yield batch
 
     sharded = look.module.model.sparse_arch.embedding_bag_collection
-    prepare = sharded.prepare
+    distribute, steps = sharded.distribute, iter(range(len(batches)))
 
-    def spy(features, step, refusal=None):  # the held batch is prepared inside the trace
+    def spy(features):  # the held batch is distributed inside the trace
+        step = next(steps)  # every batch is taken: the n-th distributed is step n's
         try:
-            return prepare(features, step, refusal)
+            return distribute(features)
         finally:
             if step == hold:
-                prepared.set()
+                distributed.set()
                 assert done.wait(60)
 
-    sharded.prepare = spy
+    sharded.distribute = spy
 
     class TracedWhileTheStagePrepares(torch.nn.Module):
         def forward(self, x):
             traced.set()
-            assert prepared.wait(60), "the stage never prepared the held batch"
+            assert distributed.wait(60), "the stage never distributed the held batch"
             return x + 1
 
     def trace() -> None:

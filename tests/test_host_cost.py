@@ -77,10 +77,19 @@ def test_both_pipelines_give_every_figure_and_identical_steps_count_alike(
         "host",
         "device",
     )
-    # Planned on the device, no id comes back to the trainer's thread (the host's planner
-    # copies each batch's ids back); the plans are read back on the executor's.
-    assert lookahead["host_wait_kinds"].get("D2H copy", 0) > 0
+    # No id comes back on the trainer's thread with either planner: the host's planner
+    # copies each batch's ids back on the stage's planning thread; the device's copies
+    # none (it reads one small tensor there, and the plans on the executor's thread).
+    assert lookahead["host_wait_kinds"].get("D2H copy", 0) == 0
     assert on_device["host_wait_kinds"].get("D2H copy", 0) == 0
+    copies = [
+        [site for site in row["other_threads_host_wait_sites"] if site.startswith("D2H copy")]
+        for row in (lookahead, on_device)
+    ]
+    assert [site.split(" (")[0].split(":")[0] for site in copies[0]] == [
+        "D2H copy @ torchrec_lookahead/cache/host_plans.py"
+    ]
+    assert copies[1] == []
 
 
 def test_an_item_added_to_a_step_is_one_more_host_wait(

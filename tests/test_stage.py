@@ -20,7 +20,7 @@ from torchrec_lookahead import LookaheadTrainPipeline
 from torchrec_lookahead.cache.slot_cache import SlotCache
 
 DATA = batches(30)
-THREADS = ("lookahead-stage", "lookahead-executor", "lookahead-reader")
+THREADS = ("lookahead-stage", "lookahead-executor", "lookahead-reader", "lookahead-planner")
 
 
 def pipeline_for(model, lookahead: int = 4, threaded: bool = True) -> LookaheadTrainPipeline:
@@ -39,17 +39,23 @@ def live_threads():
 
 
 @pytest.mark.parametrize("threaded", [True, False])
-def test_batches_are_planned_on_the_stage_thread_or_inline(live_threads, threaded) -> None:
+def test_each_phase_runs_on_its_thread(live_threads, threaded) -> None:
+    """Threaded, the stage's thread reads, distributes and plans. Inline (as on CUDA), the
+    trainer's thread only distributes (the stage's collectives); a thread reads, another
+    plans."""
     model = lookahead_model("sgd", cache_load_factor=0.1)
-    planned_on = set()
-    prepare = model.unweighted.prepare
+    distributed_on, planned_on, read_on = set(), set(), set()
+    distribute, prepare = model.unweighted.distribute, model.unweighted.prepare
 
-    def spy(features, step, refusal=None):
+    def distribute_spy(features):
+        distributed_on.add(threading.current_thread().name)
+        return distribute(features)
+
+    def prepare_spy(features, step):
         planned_on.add(threading.current_thread().name)
-        return prepare(features, step, refusal)
+        return prepare(features, step)
 
-    model.unweighted.prepare = spy
-    read_on = set()
+    model.unweighted.distribute, model.unweighted.prepare = distribute_spy, prepare_spy
 
     def loader():  # where the batches are read (and checked, and moved)
         for batch in DATA:
@@ -59,9 +65,11 @@ def test_batches_are_planned_on_the_stage_thread_or_inline(live_threads, threade
     pipeline, it = pipeline_for(model, threaded=threaded), loader()
     for _ in range(5):
         pipeline.progress(it)
-    assert planned_on == {"lookahead-stage" if threaded else threading.main_thread().name}
-    # Inline (as on CUDA), the trainer's thread only plans: a thread of the stage's reads.
-    assert read_on == {"lookahead-stage" if threaded else "lookahead-reader"}
+    if threaded:
+        assert read_on == distributed_on == planned_on == {"lookahead-stage"}
+    else:
+        assert distributed_on == {threading.main_thread().name}
+        assert read_on == {"lookahead-reader"} and planned_on == {"lookahead-planner"}
     pipeline.close()
     assert live_threads() == []
 
@@ -151,11 +159,11 @@ def test_the_stage_thread_yields_the_cores_to_the_trainer(live_threads, monkeypa
 
     monkeypatch.setattr(SlotCache, "apply", spy_apply)
 
-    def spy(features, step, refusal=None):
+    def spy(features, step):
         seen.add(
             (threading.current_thread().name, os.sched_getscheduler(0), torch.get_num_threads())
         )
-        return prepare(features, step, refusal)
+        return prepare(features, step)
 
     model.unweighted.prepare = spy
     trainer = (os.sched_getscheduler(0), torch.get_num_threads())

@@ -137,13 +137,16 @@ class LookaheadModule(Protocol):
        of this kind, if it cannot; the stage's checks and these refusals are voted
        on by every rank (:mod:`~torchrec_lookahead.votes`), and a batch refused
        anywhere goes no further on any rank.
-    3. For each batch every rank took, on the stage's thread, in data order:
-       ``prepare(features, step)`` checks it for every cached table and
-       changes nothing (``step`` is the number the stage gave the batch; the
-       sharded module distributes the batch here); then ``enter(prepared)``
-       lets it into the window and returns the :class:`StepPlan` of the step
-       ``L`` batches back, now complete. The stage keeps what ``prepare``
-       returned (a :class:`ModuleInput`) in the batch's :class:`StepContext`.
+    3. For each batch every rank took, in data order, on the thread that issues the
+       stage's collectives (the trainer's on CUDA): ``distribute(features)``, the
+       batch as this rank's shards get it (the sharded module's input dist; an
+       unsharded module returns ``features``). Then, on the stage's planning
+       thread: ``prepare(distributed, step)`` checks it for every cached table and
+       changes nothing (``step`` is the number the stage gave the batch); then
+       ``enter(prepared)`` lets it into the window and returns the
+       :class:`StepPlan` of the step ``L`` batches back, now complete. The stage
+       keeps what ``prepare`` returned (a :class:`ModuleInput`) in the batch's
+       :class:`StepContext`.
     4. At the end of the data, ``finish()`` returns the steps still to plan.
     5. For each step, on the trainer's thread, once its moves have landed: the
        model's forward, in which the module's forward is
@@ -154,11 +157,8 @@ class LookaheadModule(Protocol):
     6. ``write_back()`` writes updated cache rows to the store (the end of the
        data; ``state_dict`` does it too).
 
-    ``cache_metrics``, ``cached_groups`` and ``input_dist_s`` report what the
-    cache did and what distributing batches cost the stage.
+    ``cache_metrics`` and ``cached_groups`` report what the cache did.
     """
-
-    input_dist_s: float  # CPU seconds the stage spent distributing batches (0 unsharded)
 
     @property
     def cached_groups(self) -> list[CacheGroupLike]: ...
@@ -167,9 +167,9 @@ class LookaheadModule(Protocol):
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None: ...
 
-    def prepare(
-        self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
-    ) -> ModuleInput: ...
+    def distribute(self, features: KeyedJaggedTensor) -> Any: ...
+
+    def prepare(self, distributed: Any, step: int) -> ModuleInput: ...
 
     def enter(self, prepared: ModuleInput) -> StepPlan | None: ...
 

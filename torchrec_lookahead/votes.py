@@ -4,10 +4,12 @@ Under ``DistributedModelParallel`` a batch that one rank cannot take must be
 dropped by every rank, or their collectives fall out of step. The lookahead
 stage votes on each batch as it reads it (its structure, its ids, its kind:
 checked on the host), before the batch moves to the device or reaches a
-collective (:class:`ReadingVote`); a refused batch then costs no collective
-but the vote, and no rank ever sends one. What can refuse a batch only after
-it is distributed (a cache capped by ``max_cache_rows``) is voted on again
-there (:func:`vote`).
+collective; a refused batch then costs no collective but the vote, and no
+rank ever sends one. What can refuse a batch only after it is distributed (a
+cache capped by ``max_cache_rows``) is voted on again there, as the batch is
+planned. Each of those votes runs on a :class:`VoteGroup` of its own: the
+thread that takes it (the reading's, the planning's) issues no other
+collective on that group, so the ranks' collectives meet in one order on each.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.distributed as dist
 
 from torchrec_lookahead.traffic import label
 
-__all__ = ["ReadingVote", "refusals", "vote"]
+__all__ = ["VoteGroup", "refusals", "vote"]
 
 
 def vote(error: ValueError | None, group: dist.ProcessGroup | None, device: torch.device) -> None:
@@ -40,12 +42,12 @@ def refusals(
     return failed
 
 
-class ReadingVote:
-    """The stage's vote on each batch it reads, among ``ranks`` (every rank makes one, in
-    the same order: a collective).
+class VoteGroup:
+    """Votes among ``ranks`` on a process group of their own (every rank makes one, in the
+    same order: a collective), for one thread to take, batch after batch.
 
-    Its group is gloo's where the ranks' own backend is gloo or NCCL: the vote then
-    takes a host tensor, so the reading thread waits for no device, and its
+    The group is gloo's where the ranks' own backend is gloo or NCCL: a vote then
+    takes a host tensor, so the voting thread waits for no device, and its
     collective runs beside the trainer's NCCL ones on connections of its own (NCCL
     does not promise progress to collectives issued from two threads; gloo's groups
     are independent). Any other backend (the ``cuda:fake`` test group) votes on

@@ -173,7 +173,6 @@ class CachedCollection(ModuleBase):
         self._flat_features = [f for i in self._lookup for f in tables[i].feature_names]
         self._group_features = [sum(len(tables[i].feature_names) for i in g) for g in self._groups]
         self._cached: list[CacheGroup] = []  # one per group, built at the first open_window
-        self.input_dist_s = 0.0  # an unsharded module distributes nothing
         if settings.files is not None:
             try:
                 self._map_weights(settings.files, init_each)
@@ -277,17 +276,13 @@ class CachedCollection(ModuleBase):
         ``prepare`` what it cannot take."""
         return None
 
-    def prepare(
-        self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
-    ) -> ModuleInput:
-        """Check the batch of ``step`` for every table without changing anything (see
-        ``CacheGroup``).
+    def distribute(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """An unsharded collection runs on one rank: the batch's features as they are."""
+        return features
 
-        ``refusal`` is the stage's verdict on the batch as a whole (its structure,
-        see :mod:`~torchrec_lookahead.checks`): raised as it is.
-        """
-        if refusal is not None:
-            raise refusal
+    def prepare(self, features: KeyedJaggedTensor, step: int) -> ModuleInput:
+        """Check the batch of ``step`` for every table without changing anything (see
+        ``CacheGroup``)."""
         parts = self._group_parts(self.select(features))
         return ModuleInput([g.prepare(part, step) for g, part in zip(self._opened, parts)])
 

@@ -97,17 +97,15 @@ class LookaheadEmbeddingCollection(CachedCollection, EmbeddingCollection):
     def _tables(self) -> nn.ModuleDict:
         return self.embeddings
 
-    def prepare(
-        self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
-    ) -> ModuleInput:
+    def prepare(self, features: KeyedJaggedTensor, step: int) -> ModuleInput:
         """As the bag collection's ``prepare``; a deduplicated batch is refused."""
-        if refusal is None and features.variable_stride_per_key():
-            refusal = ValueError(
+        if features.variable_stride_per_key():
+            raise ValueError(
                 f"step {step}: a deduplicated (variable-stride) batch is not taken by "
                 f"{type(self).__name__}: sequence features are looked up id by id, each "
                 "sample's own sequence; give it batches with every sample's bags"
             )
-        return super().prepare(features, step, refusal)
+        return super().prepare(features, step)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
         if not self._training_step():

@@ -14,7 +14,7 @@ through three hooks: ``create_context``, ``route`` and ``complete``.
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -38,9 +38,9 @@ from torchrec_lookahead.settings import WindowSettings
 from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.variable_batch import check_variable_batch_optimizer, gather_bags
-from torchrec_lookahead.votes import vote
+from torchrec_lookahead.votes import VoteGroup
 
-__all__ = ["ShardedLookaheadEmbeddingBagCollection", "ShardedLookaheadModule"]
+__all__ = ["DistributedBatch", "ShardedLookaheadEmbeddingBagCollection", "ShardedLookaheadModule"]
 
 if TYPE_CHECKING:
     # TorchRec's sharded collections are untyped here (Any to mypy): the mixin reads their
@@ -50,19 +50,31 @@ else:
     ShardedBase = object
 
 
+@dataclass
+class DistributedBatch:
+    """A batch as this rank's shards get it (``distribute``): TorchRec's context and
+    distributed input, and, until every cache is sized, per table the most ids a shard
+    can get from a batch like it."""
+
+    ctx: EmbeddingBagCollectionContext
+    features: Any  # TorchRec's KJTList
+    bound: dict[str, int] | None
+
+
 class ShardedLookaheadModule(ShardedBase):
     """A TorchRec sharded collection (a base listed after this mixin, with the hooks of
     ``_compat``'s sharded bases) with lookahead kernels, driven by the pipeline.
 
     The lookahead stage runs ``input_dist`` for a batch when it enters the
-    window (``prepare``), so each rank's oracles see exactly the ids its shards
+    window (``distribute``), so each rank's oracles see exactly the ids its shards
     will serve; the step's forward later consumes that distributed input.
 
-    The stage runs on its own thread, beside the trainer's collectives, so its
-    collectives use a process group of their own (made at ``open_window``, by every
-    rank): on the stage's thread this module's input dists are copies of
-    TorchRec's bound to that group, while the trainer thread (eval forward)
-    keeps TorchRec's own.
+    The stage may distribute on its own thread, beside the trainer's collectives, so
+    its collectives use a process group of their own (made at ``open_window``, by
+    every rank): in ``distribute`` this module's input dists are copies of TorchRec's
+    bound to that group, while any other forward (eval) keeps TorchRec's own. The
+    one collective of ``prepare`` (a capped cache's verdict) runs on a vote group of
+    its own too, for the stage's planning thread.
     """
 
     lookup_type: ClassVar[type[LookaheadLookup]]
@@ -82,6 +94,7 @@ class ShardedLookaheadModule(ShardedBase):
             where = f"rank{kwargs['env'].rank}/{kwargs.get('module_fqn') or 'module'}"
             self._store_files = StoreFiles.create_subdir(module.store_dir, where)
         self._stage_pg: dist.ProcessGroup | None = None
+        self._verdicts: VoteGroup | None = None  # a capped cache's, from two ranks up
         self._stage_input_dists: list[torch.nn.Module] = []
         super().__init__(module=module, **kwargs)
         row_wise = {ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value}
@@ -92,7 +105,6 @@ class ShardedLookaheadModule(ShardedBase):
         )
         # Collectives take tensors of the device the sharded module computes on (NCCL: CUDA).
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
-        self.input_dist_s = 0.0  # CPU time spent distributing batches entering the window
         self._table_features = {t.name: list(t.feature_names) for t in self.table_configs()}
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
@@ -148,48 +160,47 @@ class ShardedLookaheadModule(ShardedBase):
         # batch's collectives that the other ranks' threads never joined; on a group of its
         # own it cannot meet the next pipeline's collectives.
         self._stage_pg = dist.new_group(ranks=ranks)
+        if self._sizing.max_rows and self.env.world_size > 1:
+            self._verdicts = VoteGroup(ranks, self._collective_device)
         self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.open_window(window)
 
-    def prepare(
-        self, features: KeyedJaggedTensor, step: int, refusal: ValueError | None = None
-    ) -> ModuleInput:
-        """Distribute the batch of ``step`` (a collective), and check every shard's cache.
-
-        The stage has voted on the batch as it read it (its structure, ids and kind, see
-        :mod:`~torchrec_lookahead.votes`): every rank gets here with it, or none does.
-        ``refusal`` (a caller that did not vote) is raised at once. A shard's cache that
-        cannot take the batch's window (its cap, ``max_cache_rows``, reached) is found
-        only after the collective: where a cap is set, every rank votes on that too, so
-        that all drop the batch together.
-        """
-        if refusal is not None:
-            raise refusal
-        start = time.thread_time()
+    def distribute(self, features: KeyedJaggedTensor) -> DistributedBatch:
+        """The batch as this rank's shards get it: TorchRec's input dist, on the stage's
+        process group (a collective; every rank took the batch, see
+        :mod:`~torchrec_lookahead.votes`)."""
         bound = self._ids_bound(features)
         ctx = self.create_context()
         sent = self.route(features, ctx, self._stage_pg)
-        self.use_input_dists(self._stage_input_dists)  # this thread's: the stage's
+        self.use_input_dists(self._stage_input_dists)  # the stage's
         try:
             distributed = self.input_dist(ctx, sent).wait().wait()
         finally:
             self.use_input_dists(None)
-        self.input_dist_s += time.thread_time() - start
+        return DistributedBatch(ctx, distributed, bound)
+
+    def prepare(self, distributed: DistributedBatch, step: int) -> ModuleInput:
+        """Check the distributed batch of ``step`` for every shard's cache, changing
+        nothing. A shard's cache that cannot take the batch's window (its cap,
+        ``max_cache_rows``, reached) is found only now: where a cap is set, every rank
+        votes on that, so that all drop the batch together."""
         prepared, error = [], None
         try:
-            for lookup, kjt in zip(self.lookups, distributed):
+            for lookup, kjt in zip(self.lookups, distributed.features):
                 for kernel, part in zip(lookup.kernels, lookup.kernel_features(kjt)):
-                    prepared.append(kernel.cached.prepare(part, step, bound))
+                    prepared.append(kernel.cached.prepare(part, step, distributed.bound))
         except ValueError as caught:
             error = caught
-        if self._sizing.max_rows or self.env.world_size == 1:
-            self._agree(error)
-        elif error is not None:  # the stage's checks let through a batch they should not
-            raise RuntimeError(
+        if self._verdicts is not None:
+            error = self._verdicts.agree(error)
+        elif error is not None and self.env.world_size > 1:
+            raise RuntimeError(  # the stage's checks let through a batch they should not
                 f"step {step}: a batch every rank accepted failed a cache's check: {error}"
             ) from error
-        return ModuleInput(prepared, (ctx, distributed))
+        if error is not None:
+            raise error
+        return ModuleInput(prepared, (distributed.ctx, distributed.features))
 
     def route(
         self,
@@ -227,14 +238,6 @@ class ShardedLookaheadModule(ShardedBase):
             except ValueError as refused:
                 return refused
         return None
-
-    def _agree(self, error: ValueError | None) -> None:
-        """Raise on every rank if any rank failed, so all drop the batch together (after
-        the collective: see ``prepare``)."""
-        if self.env.world_size > 1:
-            vote(error, self._stage_pg, self._collective_device)
-        elif error is not None:
-            raise error
 
     def enter(self, prepared: ModuleInput) -> StepPlan | None:
         return enter_groups(self.cached_groups, prepared.groups)

@@ -1,35 +1,42 @@
 """The lookahead stage: reads batches ahead, distributes and plans them off the trainer thread.
 
-A background thread (or, if asked, the trainer itself when it asks for the
-next batch) takes batches from the data loader, checks each once
-(:func:`~torchrec_lookahead.checks.check_batch`, and each module's
-``batch_kind_refusal``), has every rank vote on it under DMP
-(:class:`~torchrec_lookahead.votes.ReadingVote`), moves it to the device, lets
-every lookahead module ``prepare`` it (under DMP: ``input_dist``, on a process
-group of the stage's own) and ``enter`` it, and queues each batch with the
-moves of the steps it completed the window of. The trainer thread only takes
-batches off the queue in order and applies their plans. The oracle's inner
-loops release the GIL, so planning runs beside the step's compute.
+Each batch goes through three phases, in data order: it is *read* (taken from
+the data loader, checked once on the host, :func:`~torchrec_lookahead.checks.check_batch`
+and each module's ``batch_kind_refusal``, voted on by every rank under DMP,
+:class:`~torchrec_lookahead.votes.VoteGroup`, and copied to the device);
+*distributed* (each lookahead module's ``distribute``: under DMP, the input
+dist, a collective); and *planned* (each module's ``prepare`` and ``enter``:
+the window's oracles). The stage queues each batch with the moves of the steps
+it completed the window of; the trainer thread takes them off in order and
+applies their plans.
 
-Inline (as on CUDA, where each rank's collectives must be issued by one
-thread), the reading still runs on a thread of its own: the loader, the
-checks on the host batch and its copy to the device are off the trainer's
-thread, which only distributes and plans batches already checked, voted on and
-on their way to the device (:class:`_Reader`).
+Where each phase runs:
+
+- *Threaded* (the default on the CPU): one background thread does all three,
+  its collectives on process groups of its own. The oracle's inner loops
+  release the GIL, so planning runs beside the step's compute.
+- *Inline* (the default on CUDA, where each rank's NCCL collectives must be
+  issued by one thread): the trainer's thread distributes each batch when it
+  asks for the next one, as TorchRec's ``TrainPipelineSparseDist`` starts a
+  batch's input dist a step ahead, and does nothing else of the stage's: a
+  thread reads (:class:`_Reader`) and another plans (:class:`_Planner`),
+  :data:`PLAN_AHEAD` batches ahead of what the trainer takes. The planner votes
+  only on a group of its own (a capped cache's verdict, see
+  :class:`~torchrec_lookahead.embedding.sharded.ShardedLookaheadModule`).
 
 A batch that the check or a module refuses (``ValueError``, which
 :class:`~torchrec_lookahead.checks.BatchTypeError` is too) changes nothing and is
 queued as that error, in its place; any other error ends the stage and is queued
-with the batch it happened at. ``close`` stops the thread, also while it
-waits on a full queue.
+with the batch it happened at. ``close`` stops the threads, also while they
+wait on a full queue.
 
-The thread must not slow the step it hides behind: where the trainer's
-OpenMP threads want every core, a planning thread of normal priority slows
-each step's compute (measured in ``docs/design.md``, "Threads"). So the thread
-runs its torch ops on one intra-op thread and, on Linux, under
-``SCHED_IDLE``: it gets a core only when the trainer leaves one idle (its
-single-threaded Python, waits), and when it falls behind, the trainer's wait
-for the next plan leaves a core idle for it.
+The stage's threads must not slow the step they hide behind: where the
+trainer's OpenMP threads want every core, a planning thread of normal priority
+slows each step's compute (measured in ``docs/design.md``, "Threads"). So the
+threads that plan run their torch ops on one intra-op thread and, on Linux,
+under ``SCHED_IDLE``: they get a core only when the trainer leaves one idle
+(its single-threaded Python, waits), and when they fall behind, the trainer's
+wait for the next plan leaves a core idle for them.
 """
 
 from __future__ import annotations
@@ -37,8 +44,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,13 +55,16 @@ import torchrec_lookahead.streams as streams
 from torchrec_lookahead.checks import check_batch
 from torchrec_lookahead.idle import run_when_idle
 from torchrec_lookahead.steps import LookaheadModule, StepContext, StepPlan
-from torchrec_lookahead.votes import ReadingVote
+from torchrec_lookahead.votes import VoteGroup
 
 __all__ = ["LookaheadStage", "StageItem"]
 
 # Batches the stage reads and plans ahead of what the trainer has taken (a constant: no
 # caller needs another); the window itself, ``lookahead``, is the modules', not this queue's.
 QUEUE_DEPTH = 4
+# Inline: batches the trainer has distributed and handed to the planner, not yet taken
+# back planned. Two: the trainer distributes a batch a step before it takes its plan.
+PLAN_AHEAD = 2
 
 
 @dataclass
@@ -69,16 +80,29 @@ class StageItem:
     ready: Any = None
 
 
+@dataclass
+class _Read:
+    """A batch read: checked on the host, voted on and on its way to the device; or its
+    refusal (this rank's or another's); or the reading's error (``StopIteration`` at the
+    end of the data)."""
+
+    batch: Any = None
+    refusal: ValueError | None = None
+    failure: BaseException | None = None
+
+
 class LookaheadStage:
-    """Runs the window's reading and planning on a background thread.
+    """Reads, distributes and plans the window's batches (see the module for which thread
+    does what).
 
     Args:
         modules: the lookahead modules (unsharded or sharded) to plan for.
         features: every feature some embedding module of the model looks up, and
             whether that module is weighted.
         device: where batches go.
-        threaded: plan on a background thread of idle priority (default), else
-            inline in ``get``, on the trainer's thread.
+        threaded: everything on a background thread of idle priority (default), else
+            inline: the trainer distributes each batch in ``get``, beside a reading
+            thread and a planning thread.
         rows: each feature of a lookahead module, the rows of its table: a batch's ids
             of it are checked on the host, before the batch moves to ``device``.
         vote: under DMP with several ranks, how the ranks agree on each batch read.
@@ -91,7 +115,7 @@ class LookaheadStage:
         device: torch.device,
         threaded: bool = True,
         rows: Mapping[str, int] | None = None,
-        vote: ReadingVote | None = None,
+        vote: VoteGroup | None = None,
     ) -> None:
         self.threaded = threaded
         self._vote = vote
@@ -104,12 +128,16 @@ class LookaheadStage:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reader: _Reader | None = None  # inline: the reading thread
+        self._planner: _Planner | None = None  # inline: the planning thread
+        self._handed = 0  # inline: batches handed to the planner, not yet taken back
+        self._read_all = False  # inline: the reader gave its last (the end, or its error)
         self._iter: Iterator[Any] | None = None
         # Batches that entered the window: the step of the next one. The stage numbers the
         # steps; every other part takes a step's number from its context.
         self._entered = 0
-        # CPU seconds the stage's thread spent distributing batches (DMP) and planning
-        # them: its cost, whatever the wall time (the thread waits for idle cores).
+        # CPU seconds the stage spent distributing batches (DMP) and planning them, on
+        # whichever threads: its cost, whatever the wall time (its threads wait for idle
+        # cores).
         self.timings = {"input_dist_s": 0.0, "plan_s": 0.0}
 
     @property
@@ -124,12 +152,12 @@ class LookaheadStage:
             self._thread.start()
         else:
             self._reader = _Reader(self._read, self._stop)
+            self._planner = _Planner(self._stop)
 
     def get(self) -> StageItem:
-        """The next item, in data order (blocks until the thread has one)."""
+        """The next item, in data order (blocks until there is one)."""
         if not self.threaded:
-            assert self._reader is not None, "start() first"
-            return self._plan(*self._reader.get())
+            return self._get_inline()
         assert self._thread is not None, "start() first"
         while True:
             try:
@@ -149,17 +177,18 @@ class LookaheadStage:
         streams.record_use(context, self._device)
 
     def close(self) -> None:
-        """Stop the thread (idempotent). A thread blocked inside the loader or a collective
-        is left to finish that call; it is a daemon and queues nothing more."""
+        """Stop the threads (idempotent). A thread blocked inside the loader or a
+        collective is left to finish that call; it is a daemon and queues nothing more."""
         self._stop.set()
         while not self._queue.empty():
             self._queue.get_nowait()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
-        if self._reader is not None:
-            self._reader.close()
+        for helper in (self._reader, self._planner):
+            if helper is not None:
+                helper.close()
 
-    # ------------------------------------------------------------ the thread
+    # ------------------------------------------------------------ threaded
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # no OpenMP team beside the trainer's (see the executor)
@@ -171,15 +200,37 @@ class LookaheadStage:
                 return
 
     def _next_item(self) -> StageItem:
-        """Read and plan the next batch; the end of data and errors become items."""
-        return self._plan(*self._read())
+        """Read, distribute and plan the next batch; the end of data and errors become
+        items."""
+        read = self._read()
+        distributed = self._distribute(read)
+        return self._plan(read, distributed)
 
-    def _read(self) -> tuple[Any, ValueError | None, BaseException | None]:
-        """The next batch, checked on the host and voted on, and on its way to the device;
-        or its refusal (this rank's or another's); or the reading's error
-        (``StopIteration`` at the end of the data). It may run ahead of the planning
-        (inline, on the reader's thread), so messages name the step by :data:`_STEP`,
-        which :meth:`_plan` fills in."""
+    # ------------------------------------------------------------ inline
+
+    def _get_inline(self) -> StageItem:
+        """Hand the planner up to :data:`PLAN_AHEAD` batches, each distributed here, on
+        the trainer's thread (waiting for the reader only when the planner has none);
+        then take the oldest back, planned."""
+        assert self._reader is not None and self._planner is not None, "start() first"
+        while self._handed < PLAN_AHEAD and not self._read_all:
+            read = self._reader.get(block=self._handed == 0)
+            if read is None:
+                break
+            self._read_all = read.failure is not None
+            distributed = self._distribute(read)
+            self._planner.put(partial(self._plan, read, distributed))
+            self._handed += 1
+        item = self._planner.get()
+        self._handed -= 1
+        return item
+
+    # ------------------------------------------------------------ the phases
+
+    def _read(self) -> _Read:
+        """The next batch, read (see :class:`_Read`). It may run ahead of the planning
+        (on the reader's thread), so messages name the step by :data:`_STEP`, which
+        :meth:`_plan` fills in."""
         assert self._iter is not None, "start() first"
         try:
             batch = next(self._iter)
@@ -189,9 +240,9 @@ class LookaheadStage:
             if refusal is None:
                 with self._lane.context():  # copied on the stage's stream, beside the trainer's
                     batch = batch.to(self._device, non_blocking=True)
-            return batch, refusal, None
+            return _Read(batch, refusal)
         except (StopIteration, Exception) as error:  # the trainer raises it with its step
-            return None, None, error
+            return _Read(failure=error)
 
     def _refusal(self, batch: Any) -> ValueError | None:
         """Why this rank cannot take ``batch``: the host checks, then the modules' kinds."""
@@ -205,20 +256,37 @@ class LookaheadStage:
                 return refusal
         return None
 
-    def _plan(
-        self, batch: Any, refusal: ValueError | None, failure: BaseException | None
-    ) -> StageItem:
-        """Let a read batch into the window and plan it (a refused one, on every rank,
-        goes no further); the end of the data finishes the window."""
-        if isinstance(failure, StopIteration):
+    def _distribute(self, read: _Read) -> list[Any] | BaseException | None:
+        """Each module's ``distribute`` of a batch every rank took (on the stage's
+        stream); its error, if one fails; ``None`` for a batch not to distribute."""
+        if read.failure is not None or read.refusal is not None:
+            return None
+        start = time.thread_time()
+        features = getattr(read.batch, "sparse_features", None)
+        try:
+            with self._lane.context():
+                return [module.distribute(features) for module in self._modules]
+        except Exception as error:
+            return error
+        finally:
+            self.timings["input_dist_s"] += time.thread_time() - start
+
+    def _plan(self, read: _Read, distributed: list[Any] | BaseException | None) -> StageItem:
+        """Let a distributed batch into the window and plan it (a refused one, on every
+        rank, goes no further); the end of the data finishes the window."""
+        if isinstance(read.failure, StopIteration):
             return self._finish()
-        if failure is not None:
-            return StageItem(error=_at_step(failure, self._entered, "reading"))
-        if refusal is not None:
-            return StageItem(error=_named(refusal, f"step {self._entered}"))
+        if read.failure is not None:
+            return StageItem(error=_at_step(read.failure, self._entered, "reading"))
+        if read.refusal is not None:
+            return StageItem(error=_named(read.refusal, f"step {self._entered}"))
+        if isinstance(distributed, BaseException):
+            return StageItem(error=_at_step(distributed, self._entered, "distributing"))
+        assert distributed is not None
+        start = time.thread_time()
         try:
             with self._lane.context():  # the stage's device work, beside the trainer's
-                item = self._enter(batch)
+                item = self._enter(read.batch, distributed)
             item.ready = self._lane.record()
             if item.context is not None:
                 item.context.ready = item.ready
@@ -227,95 +295,135 @@ class LookaheadStage:
             return StageItem(error=refused)
         except Exception as error:
             return StageItem(error=_at_step(error, self._entered, "planning"))
+        finally:
+            self.timings["plan_s"] += time.thread_time() - start
 
-    def _enter(self, batch: Any) -> StageItem:
-        """Let a batch every rank took into every module's window."""
-        start = time.thread_time()
-        distributing = self._input_dist_s()
-        features = getattr(batch, "sparse_features", None)
+    def _enter(self, batch: Any, distributed: list[Any]) -> StageItem:
+        """Let a batch every rank took, distributed, into every module's window."""
         step = self._entered
-        prepared = [module.prepare(features, step) for module in self._modules]
+        prepared = [module.prepare(d, step) for module, d in zip(self._modules, distributed)]
         item = StageItem(StepContext(step, batch, dict(zip(self._modules, prepared))))
         for module, module_input in zip(self._modules, prepared):
             plan = module.enter(module_input)
             if plan is not None:
                 item.plans.append(plan)
         self._entered += 1
-        self._account(start, distributing)
         return item
 
     def _finish(self) -> StageItem:
         start = time.thread_time()
-        distributing = self._input_dist_s()
         item = StageItem(end=True)
         with self._lane.context():  # the last steps' slots, made on the stage's stream too
             for module in self._modules:
                 item.plans.extend(module.finish())
         item.ready = self._lane.record()
-        self._account(start, distributing)
+        self.timings["plan_s"] += time.thread_time() - start
         return item
-
-    def _account(self, start: float, distributing: float) -> None:
-        distributed = self._input_dist_s() - distributing
-        self.timings["input_dist_s"] += distributed
-        self.timings["plan_s"] += time.thread_time() - start - distributed
-
-    def _input_dist_s(self) -> float:
-        return sum(module.input_dist_s for module in self._modules)
 
     def _put(self, item: StageItem) -> bool:
         """Queue ``item`` unless the stage is closed; False if it was."""
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return _put_unless(self._queue, item, self._stop)
 
 
 class _Reader:
     """Runs a stage's reading (``read``: the loader, the host checks, the copy to the
-    device) on a thread of its own, a few batches ahead, for a stage that plans inline
-    on the trainer's thread. Reads stop at the end of the data, at a reading error, or
-    when ``stop`` is set."""
+    device) on a thread of its own, a few batches ahead, for an inline stage. Reads stop
+    at the end of the data, at a reading error, or when ``stop`` is set."""
 
-    def __init__(self, read: Any, stop: threading.Event) -> None:
+    def __init__(self, read: Callable[[], _Read], stop: threading.Event) -> None:
         self._read = read
         self._stop = stop
-        self._queue: queue.Queue[tuple[Any, ValueError | None, BaseException | None]] = queue.Queue(
-            maxsize=QUEUE_DEPTH
-        )
+        self._queue: queue.Queue[_Read] = queue.Queue(maxsize=QUEUE_DEPTH)
         self._thread = threading.Thread(target=self._run, name="lookahead-reader", daemon=True)
         self._thread.start()
 
-    def get(self) -> tuple[Any, ValueError | None, BaseException | None]:
-        """The next read batch, in data order (blocks until the thread has one)."""
-        while True:
-            try:
-                return self._queue.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("the lookahead reader stopped without a word") from None
+    def get(self, block: bool = True) -> _Read | None:
+        """The next read batch, in data order (``block``: wait until the thread has one;
+        else ``None`` if it has none yet)."""
+        return _get_from(self._queue, self._thread, "reader", block)
 
     def close(self) -> None:
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=10.0)
+        _close(self._queue, self._thread)
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # no OpenMP team beside the trainer's
         while not self._stop.is_set():
             read = self._read()
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(read, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if read[2] is not None:  # the end of the data, or a reading error
+            if not _put_unless(self._queue, read, self._stop) or read.failure is not None:
+                return  # closed, the end of the data, or a reading error
+
+
+class _Planner:
+    """Plans an inline stage's distributed batches on a thread of its own, in the order
+    handed: each is a call made on this thread (the stage's ``_plan`` of one batch), its
+    item handed back. The thread ends after the end of the data or a fatal error, or
+    when ``stop`` is set."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._inbox: queue.Queue[Callable[[], StageItem]] = queue.Queue()  # bounded by the stage
+        self._outbox: queue.Queue[StageItem] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="lookahead-planner", daemon=True)
+        self._thread.start()
+
+    def put(self, plan: Callable[[], StageItem]) -> None:
+        self._inbox.put(plan)
+
+    def get(self) -> StageItem:
+        """The item of the oldest call handed (blocks until it is made)."""
+        item = _get_from(self._outbox, self._thread, "planner", block=True)
+        assert item is not None
+        return item
+
+    def close(self) -> None:
+        _close(self._outbox, self._thread)
+
+    def _run(self) -> None:
+        torch.set_num_threads(1)
+        run_when_idle()
+        while not self._stop.is_set():
+            try:
+                plan = self._inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                item = plan()
+            except Exception as error:  # the end's planning (the others catch their own)
+                item = StageItem(error=error)
+            self._outbox.put(item)
+            if item.end or (item.error is not None and not isinstance(item.error, ValueError)):
                 return
+
+
+def _put_unless(into: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Queue ``item`` unless ``stop`` is set first; False if it was."""
+    while not stop.is_set():
+        try:
+            into.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _get_from(out: queue.Queue, thread: threading.Thread, name: str, block: bool) -> Any:
+    """The next of ``out``, which ``thread`` fills; ``None`` if empty and not ``block``."""
+    while True:
+        try:
+            return out.get(timeout=1.0) if block else out.get_nowait()
+        except queue.Empty:
+            if not block:
+                return None
+            if not thread.is_alive() and out.empty():
+                raise RuntimeError(f"the lookahead {name} stopped without a word") from None
+
+
+def _close(out: queue.Queue, thread: threading.Thread) -> None:
+    """Empty ``out`` (so that ``thread`` is not left waiting on it) and join ``thread``."""
+    while not out.empty():
+        out.get_nowait()
+    if thread is not threading.current_thread():
+        thread.join(timeout=10.0)
 
 
 # The step a check's message names, filled in when the batch is planned (the reading may

@@ -24,7 +24,7 @@ from torchrec_lookahead.pipeline.forward import StepForward
 from torchrec_lookahead.pipeline.stage import LookaheadStage
 from torchrec_lookahead.settings import WindowSettings, check_count
 from torchrec_lookahead.steps import LookaheadModule, StepContext
-from torchrec_lookahead.votes import ReadingVote
+from torchrec_lookahead.votes import VoteGroup
 
 __all__ = ["LookaheadTrainPipeline"]
 
@@ -63,8 +63,10 @@ class LookaheadTrainPipeline(TrainPipeline):
     CPU), which takes only the cycles the trainer leaves idle (see
     :mod:`~torchrec_lookahead.pipeline.stage`), or inline on the trainer's (``False``;
     the default on CUDA, where NCCL wants each rank's collectives issued by one thread:
-    :func:`stage_on_thread`). Inline, the reading (the loader, the checks on the host
-    batch, its copy to the device) still runs on a thread of the stage's.
+    :func:`stage_on_thread`). Inline, the trainer's thread only distributes each batch
+    (the stage's collectives), a step before it takes its plan; a thread of the stage's
+    reads (the loader, the checks on the host batch, its copy to the device) and
+    another plans.
 
     The first ``progress`` binds the data iterator; the stage reads it until it
     ends. A batch that cannot be planned (malformed, see
@@ -132,7 +134,7 @@ class LookaheadTrainPipeline(TrainPipeline):
     @property
     def stage_timings(self) -> dict[str, float]:
         """CPU seconds the stage spent distributing (DMP) and planning batches (inline,
-        on the trainer's thread, within ``timings["stage_s"]``)."""
+        the distributing on the trainer's thread, within ``timings["stage_s"]``)."""
         return dict(self._stage.timings)
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
@@ -268,18 +270,19 @@ def stage_on_thread(device: torch.device, asked: bool | None = None) -> bool:
     all-to-all) would run on one NCCL communicator while the trainer's (the output
     all-to-all, DDP, the hot rows' sums) run on others, issued in another interleaving on
     each rank: NCCL does not promise that such concurrent use progresses, gloo does (a
-    process group's ops run on its own connections). Inline, every collective of a rank is
-    issued by one thread, in the same order on every rank."""
+    process group's ops run on its own connections). Inline, every NCCL collective of a
+    rank is issued by one thread, in the same order on every rank (the votes, on gloo
+    groups of their own, are each taken by one thread of the stage's)."""
     return asked if asked is not None else device.type == "cpu"
 
 
-def _reading_vote(modules: Sequence[Any], device: torch.device) -> ReadingVote | None:
+def _reading_vote(modules: Sequence[Any], device: torch.device) -> VoteGroup | None:
     """Under DMP with several ranks, the vote the stage takes on each batch it reads (made
     here, by every rank alike); ``None`` on one rank."""
     envs = [m.env for m in modules if isinstance(m, ShardedModule)]
     if not envs or envs[0].world_size == 1:
         return None
-    return ReadingVote(dist.get_process_group_ranks(envs[0].process_group), device)
+    return VoteGroup(dist.get_process_group_ranks(envs[0].process_group), device)
 
 
 def _check_sharded(model: torch.nn.Module) -> None:
