@@ -159,12 +159,9 @@ class LookaheadStage:
         if not self.threaded:
             return self._get_inline()
         assert self._thread is not None, "start() first"
-        while True:
-            try:
-                return self._queue.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("the lookahead stage stopped without a word") from None
+        item = _get_from(self._queue, self._thread, "stage", block=True)
+        assert item is not None
+        return item
 
     def hand_over(self, context: StepContext) -> None:
         """Give the trainer ``context``'s step: its stream waits for the stage's work on
@@ -180,10 +177,8 @@ class LookaheadStage:
         """Stop the threads (idempotent). A thread blocked inside the loader or a
         collective is left to finish that call; it is a daemon and queues nothing more."""
         self._stop.set()
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10.0)
+        if self._thread is not None:
+            _close(self._queue, self._thread)
         for helper in (self._reader, self._planner):
             if helper is not None:
                 helper.close()
@@ -195,8 +190,7 @@ class LookaheadStage:
         run_when_idle()
         while not self._stop.is_set():
             item = self._next_item()
-            last = item.end or (item.error is not None and not isinstance(item.error, ValueError))
-            if not self._put(item) or last:
+            if not _put_unless(self._queue, item, self._stop) or _is_last(item):
                 return
 
     def _next_item(self) -> StageItem:
@@ -320,10 +314,6 @@ class LookaheadStage:
         self.timings["plan_s"] += time.thread_time() - start
         return item
 
-    def _put(self, item: StageItem) -> bool:
-        """Queue ``item`` unless the stage is closed; False if it was."""
-        return _put_unless(self._queue, item, self._stop)
-
 
 class _Reader:
     """Runs a stage's reading (``read``: the loader, the host checks, the copy to the
@@ -391,8 +381,14 @@ class _Planner:
             except Exception as error:  # the end's planning (the others catch their own)
                 item = StageItem(error=error)
             self._outbox.put(item)
-            if item.end or (item.error is not None and not isinstance(item.error, ValueError)):
+            if _is_last(item):
                 return
+
+
+def _is_last(item: StageItem) -> bool:
+    """Whether nothing follows ``item``: the end of the data, or an error that ends the
+    stage (a refusal, a ``ValueError``, does not)."""
+    return item.end or (item.error is not None and not isinstance(item.error, ValueError))
 
 
 def _put_unless(into: queue.Queue, item: Any, stop: threading.Event) -> bool:
