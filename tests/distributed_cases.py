@@ -613,11 +613,13 @@ def wide_batch(batch: Batch, ids: int) -> Batch:
     return Batch(batch.dense_features, wide, batch.labels)
 
 
-def check_capped_cache_refusal(rank: int, world_size: int) -> None:
+def check_capped_cache_refusal(rank: int, world_size: int, stage_thread: bool) -> None:
     """A cache capped by ``max_cache_rows`` is the one verdict known only after a batch is
     distributed: a batch whose window one rank's shard cannot hold (rank 1's batch, whose
     ids of the first table go to rank 0's shard) is refused on every rank, after the
-    collective; training goes on equal to plain TorchRec without that batch."""
+    collective; training goes on equal to plain TorchRec without that batch. Inline
+    (``stage_thread=False``), that vote is the planning thread's while the trainer's
+    thread distributes the next batches."""
     case = Case("table_wise", "rowwise_adagrad", 4, steps=20, cache_load_factor=0.05)
     batches, (base, base_opt, _) = rank_data_and_baseline(case, rank, world_size)
     stream = list(batches)
@@ -634,7 +636,9 @@ def check_capped_cache_refusal(rank: int, world_size: int) -> None:
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
     refused: list[str] = []
     with CollectiveBytes() as sent:
-        pipeline = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=4)
+        pipeline = LookaheadTrainPipeline(
+            look, look_opt, torch.device("cpu"), lookahead=4, stage_thread=stage_thread
+        )
         got = train(pipeline, stream, refused)
     # Two votes per batch where a cache is capped: as it is read, and after its collective.
     assert sent.calls["other"] == 2 * len(stream), sent.calls
@@ -646,8 +650,10 @@ def check_capped_cache_refusal(rank: int, world_size: int) -> None:
     assert_equal_states(base.state_dict(), look.state_dict(), "weights")
 
 
-def capped_cache_worker(rank: int, world_size: int, port: int) -> None:
-    _in_process_group(rank, world_size, port, lambda: check_capped_cache_refusal(rank, world_size))
+def capped_cache_worker(rank: int, world_size: int, port: int, stage_thread: bool) -> None:
+    _in_process_group(
+        rank, world_size, port, lambda: check_capped_cache_refusal(rank, world_size, stage_thread)
+    )
 
 
 def malformed_worker(rank: int, world_size: int, port: int) -> None:

@@ -165,8 +165,11 @@ def test_malformed_batches_on_one_rank_are_refused_on_every_rank() -> None:
     spawn(malformed_worker, (2, free_port()), nprocs=2)
 
 
-def test_a_window_over_a_capped_cache_on_one_rank_is_refused_on_every_rank() -> None:
-    spawn(capped_cache_worker, (2, free_port()), nprocs=2)
+@pytest.mark.parametrize("stage_thread", [True, False], ids=["threaded", "inline"])
+def test_a_window_over_a_capped_cache_on_one_rank_is_refused_on_every_rank(
+    stage_thread: bool,
+) -> None:
+    spawn(capped_cache_worker, (2, free_port(), stage_thread), nprocs=2)
 
 
 def test_canonical_use_with_the_lookahead_planner_matches_plain_torchrec() -> None:
