@@ -159,8 +159,7 @@ class LookaheadStage:
         if not self.threaded:
             return self._get_inline()
         assert self._thread is not None, "start() first"
-        item = _get_from(self._queue, self._thread, "stage", block=True)
-        assert item is not None
+        item: StageItem = _get_from(self._queue, self._thread, "stage")
         return item
 
     def hand_over(self, context: StepContext) -> None:
@@ -204,13 +203,13 @@ class LookaheadStage:
 
     def _get_inline(self) -> StageItem:
         """Hand the planner up to :data:`PLAN_AHEAD` batches, each distributed here, on
-        the trainer's thread (waiting for the reader only when the planner has none);
-        then take the oldest back, planned."""
+        the trainer's thread; then take the oldest back, planned. Every rank distributes
+        as many batches in each call, whatever its threads' timing (the reader runs
+        ahead, so this rarely waits for it): a pipeline closed between calls leaves no
+        rank inside a collective that another rank never joins."""
         assert self._reader is not None and self._planner is not None, "start() first"
         while self._handed < PLAN_AHEAD and not self._read_all:
-            read = self._reader.get(block=self._handed == 0)
-            if read is None:
-                break
+            read = self._reader.get()
             self._read_all = read.failure is not None
             distributed = self._distribute(read)
             self._planner.put(partial(self._plan, read, distributed))
@@ -327,10 +326,9 @@ class _Reader:
         self._thread = threading.Thread(target=self._run, name="lookahead-reader", daemon=True)
         self._thread.start()
 
-    def get(self, block: bool = True) -> _Read | None:
-        """The next read batch, in data order (``block``: wait until the thread has one;
-        else ``None`` if it has none yet)."""
-        return _get_from(self._queue, self._thread, "reader", block)
+    def get(self) -> _Read:
+        """The next read batch, in data order (blocks until the thread has one)."""
+        return _get_from(self._queue, self._thread, "reader")
 
     def close(self) -> None:
         _close(self._queue, self._thread)
@@ -361,8 +359,7 @@ class _Planner:
 
     def get(self) -> StageItem:
         """The item of the oldest call handed (blocks until it is made)."""
-        item = _get_from(self._outbox, self._thread, "planner", block=True)
-        assert item is not None
+        item: StageItem = _get_from(self._outbox, self._thread, "planner")
         return item
 
     def close(self) -> None:
@@ -402,14 +399,12 @@ def _put_unless(into: queue.Queue, item: Any, stop: threading.Event) -> bool:
     return False
 
 
-def _get_from(out: queue.Queue, thread: threading.Thread, name: str, block: bool) -> Any:
-    """The next of ``out``, which ``thread`` fills; ``None`` if empty and not ``block``."""
+def _get_from(out: queue.Queue, thread: threading.Thread, name: str) -> Any:
+    """The next of ``out``, which ``thread`` fills (blocks until there is one)."""
     while True:
         try:
-            return out.get(timeout=1.0) if block else out.get_nowait()
+            return out.get(timeout=1.0)
         except queue.Empty:
-            if not block:
-                return None
             if not thread.is_alive() and out.empty():
                 raise RuntimeError(f"the lookahead {name} stopped without a word") from None
 
