@@ -57,6 +57,7 @@ from torchrec_lookahead import HotRowsEmbeddingBagCollection, HotRowsEmbeddingBa
 from torchrec_lookahead._compat import fake_store, is_fake
 from torchrec_lookahead.embedding.hot.sharded import HotRowsContext
 from torchrec_lookahead.oracle.device import DevicePreparedBatch
+from torchrec_lookahead.pipeline.batch_check import BatchCheck
 from torchrec_lookahead.pipeline.stage import LookaheadStage
 from torchrec_lookahead.settings import PLANNERS, WindowSettings
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
@@ -149,7 +150,8 @@ def test_a_batch_with_hot_rows_reaches_the_input_dist_on_cuda(
         env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
         sharded = sharder.shard(module, plan, env, device)
         sharded.open_window(WindowSettings(lookahead=2, prefetch_distance=1, planner=planner))
-        stage = LookaheadStage([sharded], dict.fromkeys(KEYS, False), device, threaded=False)
+        check = BatchCheck(dict.fromkeys(KEYS, False), {})
+        stage = LookaheadStage([sharded], check, device, threaded=False)
         stage.start(iter([batch]))
         item = stage.get()
         if item.error is not None:

@@ -62,6 +62,7 @@ from torchrec_lookahead.cache.pools import slot_pools
 from torchrec_lookahead.cache.slot_cache import SlotCache
 from torchrec_lookahead.embedding.hot.sharded import HotRowsContext
 from torchrec_lookahead.oracle.contract import CachePlan
+from torchrec_lookahead.pipeline.batch_check import BatchCheck
 from torchrec_lookahead.pipeline.executor import PlanExecutor
 from torchrec_lookahead.pipeline.stage import LookaheadStage
 from torchrec_lookahead.settings import PLANNERS
@@ -352,7 +353,7 @@ def test_the_hand_over_marks_every_tensor_of_the_step_for_the_trainer() -> None:
     trainer's stream, not the step's slots (made on the stage's stream) nor anything else
     of the context; they could be handed out again while the trainer still read them."""
     with fake_cuda() as (_, checker):
-        stage = LookaheadStage([], {}, CUDA, threaded=False)
+        stage = LookaheadStage([], BatchCheck({}, {}), CUDA, threaded=False)
         features = KeyedJaggedTensor.from_lengths_sync(
             keys=["f0"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1])
         ).to(CUDA)

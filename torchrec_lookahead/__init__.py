@@ -23,9 +23,10 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
         lookahead_sharders,
     )
     from torchrec_lookahead.oracle.device import DeviceOracleCacher
-    from torchrec_lookahead.pipeline import LookaheadTrainPipeline
+    from torchrec_lookahead.pipeline import BatchCheck, LookaheadTrainPipeline
 
 __all__ = [
+    "BatchCheck",
     "BatchTypeError",
     "CacheMetrics",
     "CachePlan",
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "BatchCheck": "torchrec_lookahead.pipeline",
     "BatchTypeError": "torchrec_lookahead.checks",
     "DeviceOracleCacher": "torchrec_lookahead.oracle.device",
     "HotRowsEmbeddingBagCollection": "torchrec_lookahead.embedding",

@@ -51,10 +51,11 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from tqdm import tqdm
 
-from torchrec_lookahead import LookaheadTrainPipeline
+from torchrec_lookahead import BatchCheck, LookaheadTrainPipeline
 from torchrec_lookahead.data.criteo import DayFiles, find_days
 from torchrec_lookahead.data.npy import DataError
 from torchrec_lookahead.determinism import deterministic_cuda
+from torchrec_lookahead.pipeline import CheckedBatch
 from torchrec_lookahead.steps import LookaheadModule
 from torchrec_lookahead.store.files import anonymous_rss_bytes
 from torchrec_lookahead.traffic import CollectiveBytes
@@ -100,7 +101,9 @@ def dataset(args: argparse.Namespace, rank: int) -> list[DayFiles]:
     return find_days(shared[0])
 
 
-def metered(batches: Iterator[Batch], run: Run, dedup: bool, waited: bool) -> Iterator[Batch]:
+def metered(
+    batches: Iterator[Batch | CheckedBatch], run: Run, dedup: bool, waited: bool
+) -> Iterator[Batch | CheckedBatch]:
     """``batches``, counting what --dedup saved and, when ``waited`` (the trainer's own
     thread reads them: plain TorchRec's pipeline), timing each read into
     ``run.data_wait_s``. The lookahead stage reads on its own thread; there the trainer's
@@ -113,7 +116,8 @@ def metered(batches: Iterator[Batch], run: Run, dedup: bool, waited: bool) -> It
         if waited:
             run.data_wait_s.append(time.perf_counter() - asked)
         if dedup:
-            run.dedup.add(batch.sparse_features)
+            checked = isinstance(batch, CheckedBatch)  # the loader's workers checked it
+            run.dedup.add((batch.batch if checked else batch).sparse_features)
         yield batch
 
 
@@ -150,7 +154,11 @@ def train(
         raise ValueError(
             f"--resume: the checkpoint is at step {start_step}, past this run's {total} steps"
         )
-    loader = train_reader.loader(start_step, total, args.num_workers)
+    # With loader workers, lookahead's host check of each batch is made there, not in this
+    # process (docs/guides/bad-input.md).
+    checked = lookahead and args.num_workers > 0
+    collate = BatchCheck.of(dmp).collate() if checked else None
+    loader = train_reader.loader(start_step, total, args.num_workers, collate)
     batches = metered(iter(loader), run, args.dedup, waited=not lookahead)  # workers start
     schedule = RateSchedule(
         optimizer,

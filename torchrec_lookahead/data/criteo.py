@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -285,10 +285,18 @@ class CriteoDayReader(Dataset):
             features = deduplicate(features, self.dedup_keys)
         return Batch(dense_t, features, labels_t)
 
-    def loader(self, start: int = 0, stop: int | None = None, num_workers: int = 0) -> DataLoader:
+    def loader(
+        self,
+        start: int = 0,
+        stop: int | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[Batch], Any] | None = None,
+    ) -> DataLoader:
         """A ``DataLoader`` over steps ``[start, stop)`` (``stop``: the end of the pass):
         the batches in order, read by ``num_workers`` worker processes (0: by the thread
-        that iterates). Steps before ``start`` are not read."""
+        that iterates), each passed through ``collate_fn`` there if given (for example
+        a lookahead pipeline's host check, :class:`~torchrec_lookahead.BatchCheck`).
+        Steps before ``start`` are not read."""
         stop = len(self) if stop is None else stop
         if not 0 <= start <= stop <= len(self):
             raise ValueError(f"steps [{start}, {stop}) are outside the pass's {len(self)} steps")
@@ -297,6 +305,7 @@ class CriteoDayReader(Dataset):
             batch_size=None,
             sampler=range(start, stop),
             num_workers=num_workers,
+            collate_fn=collate_fn,
             worker_init_fn=_idle_priority,
         )
 

@@ -1,9 +1,10 @@
 """The lookahead stage: reads batches ahead, distributes and plans them off the trainer thread.
 
 Each batch goes through three phases, in data order: it is *read* (taken from
-the data loader, checked once on the host, :func:`~torchrec_lookahead.checks.check_batch`
-and each module's ``batch_kind_refusal``, voted on by every rank under DMP,
-:class:`~torchrec_lookahead.votes.VoteGroup`, and copied to the device);
+the data loader; checked once on the host,
+:class:`~torchrec_lookahead.pipeline.batch_check.BatchCheck`, unless the loader's
+workers did, and by each module's ``batch_kind_refusal``; voted on by every rank under
+DMP, :class:`~torchrec_lookahead.votes.VoteGroup`; and copied to the device);
 *distributed* (each lookahead module's ``distribute``: under DMP, the input
 dist, a collective); and *planned* (each module's ``prepare`` and ``enter``:
 the window's oracles). The stage queues each batch with the moves of the steps
@@ -44,7 +45,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -52,8 +53,8 @@ from typing import Any
 import torch
 
 import torchrec_lookahead.streams as streams
-from torchrec_lookahead.checks import check_batch
 from torchrec_lookahead.idle import run_when_idle
+from torchrec_lookahead.pipeline.batch_check import UNNAMED_STEP, BatchCheck, CheckedBatch
 from torchrec_lookahead.steps import LookaheadModule, StepContext, StepPlan
 from torchrec_lookahead.votes import VoteGroup
 
@@ -97,31 +98,27 @@ class LookaheadStage:
 
     Args:
         modules: the lookahead modules (unsharded or sharded) to plan for.
-        features: every feature some embedding module of the model looks up, and
-            whether that module is weighted.
+        check: the model's host check of each batch, made before the batch moves to
+            ``device`` (a :class:`CheckedBatch` from a loader carries its verdict).
         device: where batches go.
         threaded: everything on a background thread of idle priority (default), else
             inline: the trainer distributes each batch in ``get``, beside a reading
             thread and a planning thread.
-        rows: each feature of a lookahead module, the rows of its table: a batch's ids
-            of it are checked on the host, before the batch moves to ``device``.
         vote: under DMP with several ranks, how the ranks agree on each batch read.
     """
 
     def __init__(
         self,
         modules: Sequence[LookaheadModule],
-        features: Mapping[str, bool],
+        check: BatchCheck,
         device: torch.device,
         threaded: bool = True,
-        rows: Mapping[str, int] | None = None,
         vote: VoteGroup | None = None,
     ) -> None:
         self.threaded = threaded
         self._vote = vote
         self._modules = list(modules)
-        self._features = dict(features)
-        self._rows = dict(rows or {})
+        self._check = check
         self._device = device
         self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=QUEUE_DEPTH)
         self._lane = streams.new_stream(device, "stage")  # its own stream (none on the CPU)
@@ -222,12 +219,11 @@ class LookaheadStage:
 
     def _read(self) -> _Read:
         """The next batch, read (see :class:`_Read`). It may run ahead of the planning
-        (on the reader's thread), so messages name the step by :data:`_STEP`, which
+        (on the reader's thread), so messages name the step by ``UNNAMED_STEP``, which
         :meth:`_plan` fills in."""
         assert self._iter is not None, "start() first"
         try:
-            batch = next(self._iter)
-            refusal = self._refusal(batch)
+            batch, refusal = self._verdict(next(self._iter))
             if self._vote is not None:
                 refusal = self._vote.agree(refusal)
             if refusal is None:
@@ -237,17 +233,26 @@ class LookaheadStage:
         except (StopIteration, Exception) as error:  # the trainer raises it with its step
             return _Read(failure=error)
 
-    def _refusal(self, batch: Any) -> ValueError | None:
-        """Why this rank cannot take ``batch``: the host checks, then the modules' kinds."""
-        try:
-            check_batch(batch, self._features, _STEP, self._rows)
-        except ValueError as error:
-            return error
-        features = batch.sparse_features  # there: check_batch checked the structure
+    def _verdict(self, read: Any) -> tuple[Any, ValueError | None]:
+        """The batch ``read`` and why this rank cannot take it, if it cannot: the host
+        check (a loader's worker's, if it made it), then the modules' kinds."""
+        if not isinstance(read, CheckedBatch):
+            batch, refusal = read, self._check.refusal(read)
+        elif read.check == self._check:
+            batch, refusal = read.batch, read.refusal
+        else:
+            raise ValueError(
+                "the loader checked its batches for another model (BatchCheck.of a model "
+                "with other features or table sizes than this pipeline's): make its "
+                "collate_fn with BatchCheck.of(model), model as the pipeline gets it"
+            )
+        if refusal is not None:
+            return batch, refusal
+        features = batch.sparse_features  # there: the check checked the structure
         for module in self._modules:
             if (refusal := module.batch_kind_refusal(features)) is not None:
-                return refusal
-        return None
+                return batch, refusal
+        return batch, None
 
     def _distribute(self, read: _Read) -> list[Any] | BaseException | None:
         """Each module's ``distribute`` of a batch every rank took (on the stage's
@@ -417,14 +422,9 @@ def _close(out: queue.Queue, thread: threading.Thread) -> None:
         thread.join(timeout=10.0)
 
 
-# The step a check's message names, filled in when the batch is planned (the reading may
-# run ahead of the planning, and a batch refused on any rank takes no step).
-_STEP = "step \x00"
-
-
 def _named(refusal: ValueError, step: str) -> ValueError:
     """``refusal`` (of its own type: ``BatchTypeError`` stays one) naming ``step``."""
-    named = type(refusal)(str(refusal).replace(_STEP, step))
+    named = type(refusal)(str(refusal).replace(UNNAMED_STEP, step))
     named.__cause__ = refusal.__cause__
     return named
 

@@ -15,10 +15,10 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipeline
 from torchrec.distributed.types import ShardedModule
 
-from torchrec_lookahead._compat import embedding_features, feature_rows
 from torchrec_lookahead.checks import not_sharded
 from torchrec_lookahead.metrics import CacheMetrics
 from torchrec_lookahead.oracle import load_kernels
+from torchrec_lookahead.pipeline.batch_check import BatchCheck
 from torchrec_lookahead.pipeline.executor import PlanExecutor
 from torchrec_lookahead.pipeline.forward import StepForward
 from torchrec_lookahead.pipeline.stage import LookaheadStage
@@ -74,7 +74,9 @@ class LookaheadTrainPipeline(TrainPipeline):
     does not fit a cache) makes ``progress`` raise ``ValueError`` naming the
     step (:class:`~torchrec_lookahead.checks.BatchTypeError`, a ``TypeError`` too,
     for a tensor of the wrong type), before any state changes; the batch is
-    dropped (on every rank) and training can go on. Any other exception, Ctrl-C
+    dropped (on every rank) and training can go on. A loader with worker processes can
+    make those host checks itself (:class:`~torchrec_lookahead.pipeline.batch_check.BatchCheck`:
+    ``collate_fn=BatchCheck.of(model).collate()``). Any other exception, Ctrl-C
     included, stops the stage and the executor before it propagates; so does the
     end of the data and :meth:`close`. The pipeline is also a context manager that closes itself.
     """
@@ -109,10 +111,9 @@ class LookaheadTrainPipeline(TrainPipeline):
             module.open_window(window)
         self._stage = LookaheadStage(
             self._cached,
-            _declared_features(model),
+            BatchCheck.of(model),
             device,
             threaded=stage_on_thread(device, stage_thread),
-            rows={f: n for m in self._cached for f, n in feature_rows(m).items()},
             vote=_reading_vote(self._cached, device),
         )
         # Batches entered, not yet run, in step order: the first is the step progress() runs
@@ -305,13 +306,3 @@ _OPEN: weakref.WeakSet[LookaheadTrainPipeline] = weakref.WeakSet()
 def _close_open_pipelines() -> None:
     for pipeline in list(_OPEN):
         pipeline.close()
-
-
-def _declared_features(model: torch.nn.Module) -> dict[str, bool]:
-    """Every feature some embedding module of ``model`` (sharded or not) looks up, and
-    whether that module is weighted (its features need weights)."""
-    features: dict[str, bool] = {}
-    for module in model.modules():
-        for feature, weighted in (embedding_features(module) or {}).items():
-            features[feature] = features.get(feature, False) or weighted
-    return features
