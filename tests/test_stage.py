@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from torchrec.distributed.types import Awaitable
 
 from tests.models import (
     assert_same_training_state,
@@ -72,6 +73,58 @@ def test_each_phase_runs_on_its_thread(live_threads, threaded) -> None:
         assert read_on == {"lookahead-reader"} and planned_on == {"lookahead-planner"}
     pipeline.close()
     assert live_threads() == []
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_each_input_dist_is_waited_for_after_the_next_one_starts_inline(threaded) -> None:
+    """Inline (as on CUDA), the trainer's thread starts a batch's input dist and waits for
+    it in its next call for a batch, after starting the next batch's (TorchRec's split of
+    the input dist over two steps). Threaded, the stage's thread waits for each at once."""
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    events: list[tuple[str, int, str]] = []
+    distribute = model.unweighted.distribute
+
+    class Recorded(Awaitable):
+        def __init__(self, started: Awaitable, batch: int) -> None:
+            super().__init__()
+            self.started, self.batch = started, batch
+
+        def _wait_impl(self):
+            events.append(("wait", self.batch, threading.current_thread().name))
+            return self.started.wait()
+
+    def distribute_spy(features):
+        batch = sum(kind == "start" for kind, _, _ in events)
+        events.append(("start", batch, threading.current_thread().name))
+        return Recorded(distribute(features), batch)
+
+    model.unweighted.distribute = distribute_spy
+    with pipeline_for(model, threaded=threaded) as pipeline:
+        it = iter(DATA)
+        for _ in range(4):
+            pipeline.progress(it)
+    order = [(kind, batch) for kind, batch, _ in events]
+    if threaded:
+        assert order[:6] == [
+            ("start", 0),
+            ("wait", 0),
+            ("start", 1),
+            ("wait", 1),
+            ("start", 2),
+            ("wait", 2),
+        ]
+        assert {thread for _, _, thread in events} == {"lookahead-stage"}
+    else:
+        assert order[:7] == [
+            ("start", 0),
+            ("start", 1),
+            ("wait", 0),
+            ("start", 2),
+            ("wait", 1),
+            ("start", 3),
+            ("wait", 2),
+        ]
+        assert {thread for _, _, thread in events} == {threading.main_thread().name}
 
 
 @pytest.mark.parametrize("threaded", [True, False])

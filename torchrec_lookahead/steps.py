@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
     from torchrec.distributed.embedding_types import KJTList
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
+    from torchrec.distributed.types import Awaitable
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     from torchrec.streamable import Pipelineable
 
@@ -138,10 +139,13 @@ class LookaheadModule(Protocol):
        on by every rank (:mod:`~torchrec_lookahead.votes`), and a batch refused
        anywhere goes no further on any rank.
     3. For each batch every rank took, in data order, on the thread that issues the
-       stage's collectives (the trainer's on CUDA): ``distribute(features)``, the
-       batch as this rank's shards get it (the sharded module's input dist; an
-       unsharded module returns ``features``). Then, on the stage's planning
-       thread: ``prepare(distributed, step)`` checks it for every cached table and
+       stage's collectives (the trainer's on CUDA): ``distribute(features)`` starts
+       the batch's way to this rank's shards (the sharded module's input dist) and
+       returns a TorchRec ``Awaitable`` of it (an unsharded module:
+       ``NoWait(features)``), which the same thread waits for; inline, after it has
+       started the next batch's, as TorchRec's ``TrainPipelineSparseDist`` splits a
+       batch's input dist. Then, on the stage's planning thread: ``prepare(distributed,
+       step)``, with what the wait gave, checks it for every cached table and
        changes nothing (``step`` is the number the stage gave the batch); then
        ``enter(prepared)`` lets it into the window and returns the
        :class:`StepPlan` of the step ``L`` batches back, now complete. The stage
@@ -167,7 +171,7 @@ class LookaheadModule(Protocol):
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None: ...
 
-    def distribute(self, features: KeyedJaggedTensor) -> Any: ...
+    def distribute(self, features: KeyedJaggedTensor) -> Awaitable[Any]: ...
 
     def prepare(self, distributed: Any, step: int) -> ModuleInput: ...
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
+from torchrec.distributed.types import NoWait
 from torchrec.distributed.utils import merge_fused_params, optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -276,9 +277,9 @@ class CachedCollection(ModuleBase):
         ``prepare`` what it cannot take."""
         return None
 
-    def distribute(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def distribute(self, features: KeyedJaggedTensor) -> NoWait[KeyedJaggedTensor]:
         """An unsharded collection runs on one rank: the batch's features as they are."""
-        return features
+        return NoWait(features)
 
     def prepare(self, features: KeyedJaggedTensor, step: int) -> ModuleInput:
         """Check the batch of ``step`` for every table without changing anything (see

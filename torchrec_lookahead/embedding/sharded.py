@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionContext
-from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingType
+from torchrec.distributed.types import Awaitable, LazyAwaitable, ShardingEnv, ShardingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from torchrec_lookahead._compat import (
@@ -59,6 +59,18 @@ class DistributedBatch:
     ctx: EmbeddingBagCollectionContext
     features: Any  # TorchRec's KJTList
     bound: dict[str, int] | None
+
+
+class _InputDist(Awaitable[DistributedBatch]):
+    """A batch's input dist, started (``distribute``): its wait waits for the splits'
+    exchange, then for the ids'."""
+
+    def __init__(self, ctx: EmbeddingBagCollectionContext, splits: Any, bound: Any) -> None:
+        super().__init__()
+        self._ctx, self._splits, self._bound = ctx, splits, bound
+
+    def _wait_impl(self) -> DistributedBatch:
+        return DistributedBatch(self._ctx, self._splits.wait().wait(), self._bound)
 
 
 class ShardedLookaheadModule(ShardedBase):
@@ -166,19 +178,20 @@ class ShardedLookaheadModule(ShardedBase):
         for group in self.cached_groups:
             group.open_window(window)
 
-    def distribute(self, features: KeyedJaggedTensor) -> DistributedBatch:
-        """The batch as this rank's shards get it: TorchRec's input dist, on the stage's
-        process group (a collective; every rank took the batch, see
-        :mod:`~torchrec_lookahead.votes`)."""
+    def distribute(self, features: KeyedJaggedTensor) -> Awaitable[DistributedBatch]:
+        """Start the batch's way to this rank's shards: TorchRec's input dist, on the
+        stage's process group (collectives; every rank took the batch, see
+        :mod:`~torchrec_lookahead.votes`). Its ``wait()`` exchanges the splits, then the
+        ids, and gives the batch as the shards get it."""
         bound = self._ids_bound(features)
         ctx = self.create_context()
         sent = self.route(features, ctx, self._stage_pg)
         self.use_input_dists(self._stage_input_dists)  # the stage's
         try:
-            distributed = self.input_dist(ctx, sent).wait().wait()
+            splits = self.input_dist(ctx, sent)
         finally:
             self.use_input_dists(None)
-        return DistributedBatch(ctx, distributed, bound)
+        return _InputDist(ctx, splits, bound)
 
     def prepare(self, distributed: DistributedBatch, step: int) -> ModuleInput:
         """Check the distributed batch of ``step`` for every shard's cache, changing

@@ -17,10 +17,10 @@ Where each phase runs:
   its collectives on process groups of its own. The oracle's inner loops
   release the GIL, so planning runs beside the step's compute.
 - *Inline* (the default on CUDA, where each rank's NCCL collectives must be
-  issued by one thread): the trainer's thread distributes each batch when it
-  asks for the next one, as TorchRec's ``TrainPipelineSparseDist`` starts a
-  batch's input dist a step ahead, and does nothing else of the stage's: a
-  thread reads (:class:`_Reader`) and another plans (:class:`_Planner`),
+  issued by one thread): the trainer's thread distributes each batch in two
+  halves, as TorchRec's ``TrainPipelineSparseDist`` does: each time it asks for
+  the next batch it starts one batch's input dist and waits for the one it
+  started the time before. It does nothing else of the stage's: a thread reads (:class:`_Reader`) and another plans (:class:`_Planner`),
   :data:`PLAN_AHEAD` batches ahead of what the trainer takes. The planner votes
   only on a group of its own (a capped cache's verdict, see
   :class:`~torchrec_lookahead.embedding.sharded.ShardedLookaheadModule`).
@@ -45,12 +45,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
+from torchrec.distributed.types import Awaitable
 
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead.idle import run_when_idle
@@ -127,6 +129,9 @@ class LookaheadStage:
         self._reader: _Reader | None = None  # inline: the reading thread
         self._planner: _Planner | None = None  # inline: the planning thread
         self._handed = 0  # inline: batches handed to the planner, not yet taken back
+        # Inline: batches read whose input dist was started, not yet waited for (one,
+        # between calls), with what ``_distribute`` returned.
+        self._started: deque[tuple[_Read, list[Awaitable[Any]] | BaseException | None]] = deque()
         self._read_all = False  # inline: the reader gave its last (the end, or its error)
         self._iter: Iterator[Any] | None = None
         # Batches that entered the window: the step of the next one. The stage numbers the
@@ -193,24 +198,28 @@ class LookaheadStage:
         """Read, distribute and plan the next batch; the end of data and errors become
         items."""
         read = self._read()
-        distributed = self._distribute(read)
-        return self._plan(read, distributed)
+        return self._plan(read, self._await(self._distribute(read)))
 
     # ------------------------------------------------------------ inline
 
     def _get_inline(self) -> StageItem:
-        """Hand the planner up to :data:`PLAN_AHEAD` batches, each distributed here, on
-        the trainer's thread; then take the oldest back, planned. Every rank distributes
-        as many batches in each call, whatever its threads' timing (the reader runs
-        ahead, so this rarely waits for it): a pipeline closed between calls leaves no
-        rank inside a collective that another rank never joins."""
+        """Start the next batch's input dist, wait for the one started in the call
+        before (TorchRec's split of a batch's input dist over two steps) and hand that
+        batch to the planner, until it holds :data:`PLAN_AHEAD`; then take the oldest
+        back, planned. All on the trainer's thread. Every rank starts and waits for as
+        many batches in each call, whatever its threads' timing (the reader runs ahead,
+        so this rarely waits for it): a pipeline closed between calls leaves no rank
+        inside a collective that another rank never joins."""
         assert self._reader is not None and self._planner is not None, "start() first"
-        while self._handed < PLAN_AHEAD and not self._read_all:
-            read = self._reader.get()
-            self._read_all = read.failure is not None
-            distributed = self._distribute(read)
-            self._planner.put(partial(self._plan, read, distributed))
-            self._handed += 1
+        while self._handed < PLAN_AHEAD and (self._started or not self._read_all):
+            if not self._read_all:
+                read = self._reader.get()
+                self._read_all = read.failure is not None
+                self._started.append((read, self._distribute(read)))
+            if len(self._started) > 1 or self._read_all:
+                read, distributing = self._started.popleft()
+                self._planner.put(partial(self._plan, read, self._await(distributing)))
+                self._handed += 1
         item = self._planner.get()
         self._handed -= 1
         return item
@@ -254,16 +263,28 @@ class LookaheadStage:
                 return batch, refusal
         return batch, None
 
-    def _distribute(self, read: _Read) -> list[Any] | BaseException | None:
-        """Each module's ``distribute`` of a batch every rank took (on the stage's
+    def _distribute(self, read: _Read) -> list[Awaitable[Any]] | BaseException | None:
+        """Each module's ``distribute`` of a batch every rank took, started (on the stage's
         stream); its error, if one fails; ``None`` for a batch not to distribute."""
         if read.failure is not None or read.refusal is not None:
             return None
-        start = time.thread_time()
         features = getattr(read.batch, "sparse_features", None)
+        return self._distributing(lambda: [module.distribute(features) for module in self._modules])
+
+    def _await(
+        self, distributing: list[Awaitable[Any]] | BaseException | None
+    ) -> list[Any] | BaseException | None:
+        """What :meth:`_distribute` started, waited for: each module's distributed batch."""
+        if not isinstance(distributing, list):
+            return distributing
+        return self._distributing(lambda: [started.wait() for started in distributing])
+
+    def _distributing(self, call: Callable[[], list[Any]]) -> list[Any] | BaseException:
+        """``call`` on the stage's stream, its CPU time counted; its error, if it fails."""
+        start = time.thread_time()
         try:
             with self._lane.context():
-                return [module.distribute(features) for module in self._modules]
+                return call()
         except Exception as error:
             return error
         finally:
