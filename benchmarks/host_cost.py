@@ -78,6 +78,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from tqdm import tqdm
 
 from torchrec_lookahead import (
+    BatchCheck,
     DeviceOracleCacher,
     LookaheadEmbeddingBagCollection,
     LookaheadEmbeddingBagCollectionSharder,
@@ -185,8 +186,8 @@ def build(
         pipeline = LookaheadTrainPipeline(
             dmp, optimizer, DEVICE, lookahead=settings.lookahead, planner=planner
         )
-        return pipeline, data
-    return TrainPipelineSparseDist(dmp, optimizer, DEVICE), data
+        return pipeline, data, dmp
+    return TrainPipelineSparseDist(dmp, optimizer, DEVICE), data, dmp
 
 
 def measure(
@@ -198,10 +199,12 @@ def measure(
     settings: Settings,
     progress: bool = True,
     planner: str = "host",
+    loader_checks: bool = False,
 ) -> dict[str, Any]:
     """Run ``warmup + steps`` steps of a ``kind`` pipeline under fake CUDA (lookahead's
-    plans made where ``planner`` says); the row of per-step medians over the last
-    ``steps`` (see the module)."""
+    plans made where ``planner`` says; with ``loader_checks``, its batches checked before
+    the run, as a loader's worker processes check them); the row of per-step medians over
+    the last ``steps`` (see the module)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     earlier = _tids()  # threads of something else (in a test process: other pipelines)
@@ -213,9 +216,13 @@ def measure(
             stood_in(),
             torch.no_grad(),
         ):
-            pipeline, data = build(kind, world_size, batch_size, settings, planner)
+            pipeline, data, model = build(kind, world_size, batch_size, settings, planner)
             total = warmup + steps + settings.lookahead + 2  # the window stays full
             batches = [criteo_batch(data, s, batch_size).pin_memory() for s in range(total)]
+            checked = loader_checks and kind == "lookahead"
+            if checked:  # by BatchCheck.collate, where the loader collates (not timed)
+                collate = BatchCheck.of(model).collate()
+                batches = [collate(batch) for batch in batches]
             rows = _run(pipeline, iter(batches), counter, warmup + steps, progress, earlier)
             if kind == "lookahead":
                 pipeline.close()
@@ -225,7 +232,7 @@ def measure(
         dist.destroy_process_group()
         torch.set_num_threads(threads)
     row = summary(kind, world_size, batch_size, rows[warmup:])
-    return {**row, "planner": planner if kind == "lookahead" else None}
+    return {**row, "planner": planner if kind == "lookahead" else None, "loader_checks": checked}
 
 
 @dataclass
@@ -447,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--loader-checks",
+        action="store_true",
+        help="lookahead's batches checked by the loader (BatchCheck.collate), not its stage",
+    )
     base = Settings()
     p.add_argument("--scale", type=float, default=base.scale)
     p.add_argument("--cache-load-factor", type=float, default=base.cache_load_factor)
@@ -461,7 +473,18 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rows = []
     for kind, ws, bs, planner in tqdm(runs, desc="settings"):
-        rows.append(measure(kind, ws, bs, args.steps, args.warmup, settings, planner=planner))
+        rows.append(
+            measure(
+                kind,
+                ws,
+                bs,
+                args.steps,
+                args.warmup,
+                settings,
+                planner=planner,
+                loader_checks=args.loader_checks,
+            )
+        )
         tqdm.write(table(rows[-1:]))
     print(table(rows))
     dispatch = planner_dispatch()
@@ -481,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": args.steps,
             "warmup": args.warmup,
             "intra_op_threads": 1,
+            "loader_checks": args.loader_checks,
             "device": str(DEVICE),
         },
         "stood_in": STOOD_IN,

@@ -34,8 +34,8 @@ KEYS = {
 }
 
 
-def run(kind: str, steps: int = 3, planner: str = "host") -> dict[str, Any]:
-    return host_cost.measure(kind, 1, 64, steps, 2, TINY, progress=False, planner=planner)
+def run(kind: str, steps: int = 3, planner: str = "host", **kwargs: Any) -> dict[str, Any]:
+    return host_cost.measure(kind, 1, 64, steps, 2, TINY, progress=False, planner=planner, **kwargs)
 
 
 def test_a_known_step_is_counted_exactly() -> None:
@@ -92,6 +92,16 @@ def test_both_pipelines_give_every_figure_and_identical_steps_count_alike(
     assert copies[1] == []
 
 
+def test_batches_the_loader_checked_leave_the_trainer_s_counts_as_they_were() -> None:
+    """Checked where the loader collates (``BatchCheck.collate``), the batches reach the
+    stage with their verdicts (else the stage would refuse them); the trainer's thread
+    waits and launches as before, and the row says how its batches were checked."""
+    own, by_loader = run("lookahead"), run("lookahead", loader_checks=True)
+    assert (own["loader_checks"], by_loader["loader_checks"]) == (False, True)
+    for key in ("host_waits", "host_wait_kinds", "device_ops"):
+        assert own[key] == by_loader[key], key
+
+
 def test_an_item_added_to_a_step_is_one_more_host_wait(
     plain: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -116,7 +126,7 @@ def test_the_report_has_its_keys(
     monkeypatch.setattr(
         host_cost,
         "measure",
-        lambda kind, *args, planner: {**plain, "pipeline": kind, "planner": planner},
+        lambda kind, *args, planner, loader_checks: {**plain, "pipeline": kind, "planner": planner},
     )
     flags = ["--out", str(tmp_path), "--batch-sizes", "64", "--world-sizes", "1"]
     assert host_cost.main(flags) == 0

@@ -86,9 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num_workers",
         type=int,
         default=None,
-        help="DataLoader worker processes reading, building and deduplicating batches "
-        "(0: the lookahead stage's thread does it). Default: 1 where a rank has at least "
-        f"{CORES_FOR_A_WORKER} cores of this host to itself, else 0 (see loader_workers)",
+        help="DataLoader worker processes reading, building, deduplicating and (lookahead) "
+        "checking batches (0: the lookahead stage's thread does it). Default: 1 where a rank "
+        f"has at least {CORES_FOR_A_WORKER} cores of this host to itself, else 0 (see "
+        "loader_workers)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--print_sharding_plan", action="store_true")
