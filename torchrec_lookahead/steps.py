@@ -160,6 +160,9 @@ class LookaheadModule(Protocol):
        ``context``.
     6. ``write_back()`` writes updated cache rows to the store (the end of the
        data; ``state_dict`` does it too).
+    7. ``close_window(window)`` when the pipeline that opened ``window`` closes and
+       no thread of its stage runs: a sharded module destroys the process groups it
+       made for that window (nothing, if a later window replaced it).
 
     ``cache_metrics`` and ``cached_groups`` report what the cache did.
     """
@@ -168,6 +171,8 @@ class LookaheadModule(Protocol):
     def cached_groups(self) -> list[CacheGroupLike]: ...
 
     def open_window(self, window: WindowSettings) -> None: ...
+
+    def close_window(self, window: WindowSettings) -> None: ...
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None: ...
 

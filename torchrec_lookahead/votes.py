@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from torchrec_lookahead._compat import destroy_group
 from torchrec_lookahead.traffic import label
 
 __all__ = ["VoteGroup", "refusals", "vote"]
@@ -56,12 +57,19 @@ class VoteGroup:
 
     def __init__(self, ranks: Sequence[int], device: torch.device) -> None:
         on_gloo = dist.get_backend() in ("gloo", "nccl")
-        self.group = dist.new_group(ranks=list(ranks), backend="gloo" if on_gloo else None)
+        backend = "gloo" if on_gloo else None
+        self.group: dist.ProcessGroup | None = dist.new_group(ranks=list(ranks), backend=backend)
         self.device = torch.device("cpu") if on_gloo else device
+
+    def close(self) -> None:
+        """Destroy the group (idempotent); no vote after this."""
+        destroy_group(self.group)
+        self.group = None
 
     def agree(self, refusal: ValueError | None) -> ValueError | None:
         """The batch's verdict on every rank: this rank's ``refusal``, or, where only
         another rank refused, a refusal saying so; ``None`` if every rank takes it."""
+        assert self.group is not None, "the vote's group was closed"
         try:
             vote(refusal, self.group, self.device)
         except ValueError as refused:

@@ -7,16 +7,29 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 __all__ = [
     "Shard",
     "ShardedTensor",
     "data_parallel_parts",
+    "destroy_group",
     "in_backward",
     "observe_collectives",
     "sharded_tensor_from_shards",
 ]
+
+
+def destroy_group(group: dist.ProcessGroup | None) -> None:
+    """Destroy ``group``, a process group the library made, unless it is already gone
+    (``None``, or destroyed with every group: the world destroyed, maybe made anew)."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # "Invalid process group specified": not this world's
+        pass
 
 
 def data_parallel_parts(model: torch.nn.Module) -> list[tuple[Any, str]]:

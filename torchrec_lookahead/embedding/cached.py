@@ -258,6 +258,9 @@ class CachedCollection(ModuleBase):
         for group in self._cached:
             group.open_window(window)
 
+    def close_window(self, window: WindowSettings) -> None:
+        """Nothing to release: an unsharded collection makes no process group."""
+
     def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """This module's features of ``features``, in lookup order (a deduplicated
         batch keeps its inverse indices)."""

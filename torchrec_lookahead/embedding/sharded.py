@@ -27,6 +27,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from torchrec_lookahead._compat import (
     GatheredOutput,
     ShardedCollectionBase,
+    destroy_group,
 )
 from torchrec_lookahead.cache.group import CacheGroup, enter_groups, finish_groups
 from torchrec_lookahead.embedding.cache_group import check_disk_store
@@ -106,6 +107,7 @@ class ShardedLookaheadModule(ShardedBase):
             where = f"rank{kwargs['env'].rank}/{kwargs.get('module_fqn') or 'module'}"
             self._store_files = StoreFiles.create_subdir(module.store_dir, where)
         self._stage_pg: dist.ProcessGroup | None = None
+        self._window: WindowSettings | None = None  # the window the groups were made for
         self._verdicts: VoteGroup | None = None  # a capped cache's, from two ranks up
         self._stage_input_dists: list[torch.nn.Module] = []
         super().__init__(module=module, **kwargs)
@@ -174,9 +176,22 @@ class ShardedLookaheadModule(ShardedBase):
         self._stage_pg = dist.new_group(ranks=ranks)
         if self._sizing.max_rows and self.env.world_size > 1:
             self._verdicts = VoteGroup(ranks, self._collective_device)
+        self._window = window
         self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.open_window(window)
+
+    def close_window(self, window: WindowSettings) -> None:
+        """Destroy the process groups ``open_window`` made for ``window`` (unless a later
+        window's replaced them): each holds threads, and under NCCL a communicator's
+        device memory, which a pipeline per epoch would otherwise pile up."""
+        if window is not self._window:
+            return
+        destroy_group(self._stage_pg)
+        if self._verdicts is not None:
+            self._verdicts.close()
+        self._stage_pg, self._verdicts, self._window = None, None, None
+        self._stage_input_dists.clear()  # bound to the group
 
     def distribute(self, features: KeyedJaggedTensor) -> Awaitable[DistributedBatch]:
         """Start the batch's way to this rank's shards: TorchRec's input dist, on the

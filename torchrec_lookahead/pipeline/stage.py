@@ -20,8 +20,9 @@ Where each phase runs:
   issued by one thread): the trainer's thread distributes each batch in two
   halves, as TorchRec's ``TrainPipelineSparseDist`` does: each time it asks for
   the next batch it starts one batch's input dist and waits for the one it
-  started the time before. It does nothing else of the stage's: a thread reads (:class:`_Reader`) and another plans (:class:`_Planner`),
-  :data:`PLAN_AHEAD` batches ahead of what the trainer takes. The planner votes
+  started the time before. It does nothing else of the stage's: a thread reads
+  (:class:`_Reader`) and another plans (:class:`_Planner`), :data:`PLAN_AHEAD`
+  batches ahead of what the trainer takes. The planner votes
   only on a group of its own (a capped cache's verdict, see
   :class:`~torchrec_lookahead.embedding.sharded.ShardedLookaheadModule`).
 
@@ -183,6 +184,14 @@ class LookaheadStage:
         for helper in (self._reader, self._planner):
             if helper is not None:
                 helper.close()
+        self._started.clear()  # input dists started, never to be waited for
+
+    @property
+    def stopped(self) -> bool:
+        """Whether no thread of the stage runs (after :meth:`close`: none was left inside
+        the loader or a collective, so the stage's process groups are free to go)."""
+        threads = [self._thread] + [h.thread for h in (self._reader, self._planner) if h]
+        return not any(thread is not None and thread.is_alive() for thread in threads)
 
     # ------------------------------------------------------------ threaded
 
@@ -349,15 +358,15 @@ class _Reader:
         self._read = read
         self._stop = stop
         self._queue: queue.Queue[_Read] = queue.Queue(maxsize=QUEUE_DEPTH)
-        self._thread = threading.Thread(target=self._run, name="lookahead-reader", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="lookahead-reader", daemon=True)
+        self.thread.start()
 
     def get(self) -> _Read:
         """The next read batch, in data order (blocks until the thread has one)."""
-        return _get_from(self._queue, self._thread, "reader")
+        return _get_from(self._queue, self.thread, "reader")
 
     def close(self) -> None:
-        _close(self._queue, self._thread)
+        _close(self._queue, self.thread)
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # no OpenMP team beside the trainer's
@@ -377,19 +386,19 @@ class _Planner:
         self._stop = stop
         self._inbox: queue.Queue[Callable[[], StageItem]] = queue.Queue()  # bounded by the stage
         self._outbox: queue.Queue[StageItem] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="lookahead-planner", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="lookahead-planner", daemon=True)
+        self.thread.start()
 
     def put(self, plan: Callable[[], StageItem]) -> None:
         self._inbox.put(plan)
 
     def get(self) -> StageItem:
         """The item of the oldest call handed (blocks until it is made)."""
-        item: StageItem = _get_from(self._outbox, self._thread, "planner")
+        item: StageItem = _get_from(self._outbox, self.thread, "planner")
         return item
 
     def close(self) -> None:
-        _close(self._outbox, self._thread)
+        _close(self._outbox, self.thread)
 
     def _run(self) -> None:
         torch.set_num_threads(1)

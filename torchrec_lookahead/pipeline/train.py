@@ -109,12 +109,14 @@ class LookaheadTrainPipeline(TrainPipeline):
         window = WindowSettings(lookahead, prefetch_distance, planning_workers, planner)
         for module in self._cached:
             module.open_window(window)
+        self._window_settings = window
+        self._vote = _reading_vote(self._cached, device)
         self._stage = LookaheadStage(
             self._cached,
             BatchCheck.of(model),
             device,
             threaded=stage_on_thread(device, stage_thread),
-            vote=_reading_vote(self._cached, device),
+            vote=self._vote,
         )
         # Batches entered, not yet run, in step order: the first is the step progress() runs
         # next, the last the newest that entered (the stage numbers them).
@@ -175,12 +177,19 @@ class LookaheadTrainPipeline(TrainPipeline):
         ]
 
     def close(self) -> None:
-        """Stop the stage and the executor (after the moves already issued); idempotent."""
+        """Stop the stage and the executor (after the moves already issued), and destroy
+        the process groups made for this pipeline once no thread of its stage can be
+        inside one of their collectives; idempotent."""
         _OPEN.discard(self)
         self._stage.close()
         self._executor.close()
         for forward in self._forwards:
             forward.restore()
+        if self._stage.stopped:  # else a thread blocked in one keeps them (left, not broken)
+            for module in self._cached:
+                module.close_window(self._window_settings)
+            if self._vote is not None:
+                self._vote.close()
 
     def __enter__(self) -> LookaheadTrainPipeline:
         return self
