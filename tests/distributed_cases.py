@@ -42,6 +42,7 @@ from torchrec_lookahead import (
     LookaheadEmbeddingBagCollection,
     LookaheadTrainPipeline,
 )
+from torchrec_lookahead._compat import live_groups
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.dedup import deduplicate
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
@@ -305,12 +306,6 @@ def check_streamed_checkpoint(case: Case, world_size: int, look, base) -> None:
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(path[0])
-
-
-def process_groups() -> set[str]:
-    """The names of the process groups torch.distributed holds now (a private map: a test's
-    look at what a pipeline leaves behind)."""
-    return set(dist.distributed_c10d._world.pg_names.values())
 
 
 def _in_process_group(rank: int, world_size: int, port: int, body) -> None:  # noqa: ANN001
@@ -641,7 +636,7 @@ def check_capped_cache_refusal(rank: int, world_size: int, stage_thread: bool) -
     look.load_state_dict(base.state_dict())
     expected = train(TrainPipelineSparseDist(base, base_opt, torch.device("cpu")), batches)
     refused: list[str] = []
-    groups = process_groups()
+    groups = live_groups()
     with CollectiveBytes() as sent:
         pipeline = LookaheadTrainPipeline(
             look, look_opt, torch.device("cpu"), lookahead=4, stage_thread=stage_thread
@@ -651,13 +646,13 @@ def check_capped_cache_refusal(rank: int, world_size: int, stage_thread: bool) -
     assert sent.calls["other"] == 2 * len(stream), sent.calls
     # The pipeline's groups (the reading vote's, the stage's, the capped cache's vote's)
     # went with it; closing it again leaves a later pipeline's groups alone.
-    assert process_groups() == groups
+    assert live_groups() == groups
     later = LookaheadTrainPipeline(look, look_opt, torch.device("cpu"), lookahead=4)
-    made = process_groups() - groups
+    made = live_groups() - groups
     pipeline.close()
-    assert len(made) == 3 and process_groups() == groups | made
+    assert len(made) == 3 and live_groups() == groups | made
     later.close()
-    assert process_groups() == groups
+    assert live_groups() == groups
     assert len(refused) == 1, refused
     want = "max_cache_rows" if rank == 0 else "another rank refused"
     assert want in refused[0], refused

@@ -21,6 +21,7 @@ from torchrec_lookahead._compat.distributed import (
     data_parallel_parts,
     destroy_group,
     in_backward,
+    live_groups,
     observe_collectives,
     sharded_tensor_from_shards,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "UNIQUE",
     "data_parallel_parts",
     "destroy_group",
+    "live_groups",
     "embedding_features",
     "fake_cuda_tensors",
     "fake_store",
