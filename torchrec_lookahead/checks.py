@@ -38,7 +38,7 @@ class BatchTypeError(TypeError, ValueError):
 
 
 def check_batch(
-    batch: Any, weighted: dict[str, bool], where: str, rows: Mapping[str, int] | None = None
+    batch: Any, weighted: Mapping[str, bool], where: str, rows: Mapping[str, int] | None = None
 ) -> None:
     """Refuse ``batch`` unless its sparse features are well formed and known, and the ids
     of the features in ``rows`` lie in their tables.

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from tests.exactness.compare import compare
 from tests.exactness.configs import Config, draw
 from tests.launch import free_port, spawn
-from torchrec_lookahead._compat import live_groups
+from torchrec_lookahead._compat import destroy_group, live_groups
 
 TIMEOUT = timedelta(seconds=180)  # a collective waiting longer: a rank failed
 
@@ -61,7 +61,7 @@ def _worker(rank: int, world_size: int, port: int, configs: list[Config], log: s
             groups = live_groups()
             divergence, worst, growths = compare(config, rank)
             for group in live_groups() - groups:  # its models' own (hot rows'), gone with them
-                dist.destroy_process_group(group)
+                destroy_group(group)
             found = [None] * world_size
             mine = (
                 None if divergence is None else (divergence.step, divergence.what, divergence.gap)

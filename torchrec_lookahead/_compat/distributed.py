@@ -15,8 +15,8 @@ __all__ = [
     "ShardedTensor",
     "data_parallel_parts",
     "destroy_group",
-    "live_groups",
     "in_backward",
+    "live_groups",
     "observe_collectives",
     "sharded_tensor_from_shards",
 ]

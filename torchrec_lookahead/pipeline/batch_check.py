@@ -74,7 +74,7 @@ class BatchCheck:
     def refusal(self, batch: Any) -> ValueError | None:
         """Why ``batch`` is refused (its message naming :data:`UNNAMED_STEP`), if it is."""
         try:
-            check_batch(batch, dict(self.features), UNNAMED_STEP, self.rows)
+            check_batch(batch, self.features, UNNAMED_STEP, self.rows)
         except ValueError as refused:
             return refused
         return None
