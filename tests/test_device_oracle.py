@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.functional import pad
 
 from benchmarks.common import pinned_rows_needed
 from tests.contract import replay
@@ -217,7 +221,7 @@ def test_on_fake_cuda_a_stream_is_planned_alike_with_no_host_wait() -> None:
 def test_the_sync_free_path_flags_bad_ids_and_a_broken_capacity() -> None:
     oracle = DeviceOracleCacher(capacity=3, lookahead=1, prefetch_distance=0, num_rows=10)
     oracle.push_device(torch.tensor([1, 2]))
-    plan = oracle.push_device(torch.tensor([3, 12, -1]))
+    plan = oracle.push_device(torch.tensor([3, 12, -2]))
     # plan(0): flagged already, as the bad batch entered the window
     assert plan is not None and plan.step == 0 and plan.bad_ids and not plan.overflow
     (plan,) = oracle.finish_device()
@@ -227,6 +231,50 @@ def test_the_sync_free_path_flags_bad_ids_and_a_broken_capacity() -> None:
     assert plan.overflow
     with pytest.raises(ValueError, match="1-D int64 tensor"):
         oracle.push_device(torch.tensor([1, 2], dtype=torch.int32))
+
+
+# The kernels that read a value back to the host (make_fx records ``.item()`` as the first).
+_HOST_READS = {"_local_scalar_dense", "nonzero", "unique", "_unique2", "unique_consecutive"}
+
+
+@pytest.mark.parametrize("tie_break", TIE_BREAKS)
+def test_a_full_windows_step_is_one_graph_that_a_cuda_graph_could_replay(tie_break) -> None:
+    """Once the window is full, the steps of batches padded to the ring's width (``-1``)
+    trace (``make_fx``) to one graph: the same kernels with the same arguments, over the
+    same memory, none reading a value back. A CUDA graph captured from one step replays
+    the next; a step number or ring row baked into an argument would tell them apart. The
+    padded batches plan as the unpadded ones do."""
+    rng = np.random.default_rng(3)
+    lengths = [int(n) for n in rng.integers(20, 33, size=12)]
+    batches = [torch.from_numpy(np.minimum(rng.zipf(1.2, n), 1000) - 1) for n in lengths]
+    padded = [pad(batch, (0, 32 - len(batch)), value=-1) for batch in batches]
+    want = plan_device(DeviceOracleCacher(64, 4, 1, 1000, "cpu", tie_break=tie_break), batches)
+
+    oracle = DeviceOracleCacher(64, 4, 1, 1000, "cpu", tie_break=tie_break)
+    plans = [oracle.push_device(batch) for batch in padded[:6]]
+
+    def step(ids: torch.Tensor) -> list[torch.Tensor]:  # the plan's tensors (not its label)
+        plans.append(plan := oracle.push_device(ids))
+        assert plan is not None
+        return [getattr(plan, f.name) for f in fields(plan) if f.name != "step"]
+
+    graphs = [make_fx(step)(batch) for batch in padded[6:9]]
+    plans += [oracle.push_device(batch) for batch in padded[9:]]
+    plans += oracle.finish_device()
+
+    first = graphs[0]
+    for graph in graphs[1:]:
+        assert graph.code == first.code
+        for name, tensor in graph.named_buffers():  # the oracle's state, read and written
+            assert tensor.data_ptr() == first.get_buffer(name).data_ptr(), name
+    calls = [node.target for node in first.graph.nodes if node.op == "call_function"]
+    ops = {call.__name__.split(".")[0] for call in calls}
+    assert "index_copy_" in ops and not ops & _HOST_READS
+    for a, b, n in zip(want, [p for p in plans if p is not None], lengths, strict=True):
+        got, expected = b.to_cache_plan(), a.to_cache_plan()
+        assert np.array_equal(got.slots[:n], expected.slots) and (got.slots[n:] == -1).all()
+        for field in ("evict_ids", "evict_slots", "fetch_ids", "fetch_slots"):
+            assert np.array_equal(getattr(got, field), getattr(expected, field)), field
 
 
 def test_the_contract_path_waits_only_for_its_checks_and_the_plan() -> None:

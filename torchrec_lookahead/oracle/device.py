@@ -16,7 +16,8 @@ are pointer chasing, one row at a time; a device wants whole-array passes):
   their numbers. The output is padded (``-1``) to the window's width, so its
   shape does not depend on the data.
 * The window is a ring of ``max(L, d) + 1`` rows of padded distinct ids (and
-  their multiplicities), one row per step.
+  their multiplicities, and the batch's ids themselves), one row per step, at the
+  row a device step counter names.
 * Next use by one ``scatter_reduce(amin)``: every ring entry of a step after
   ``s`` sends its step to the slot its row is resident in (others go to a dump
   entry), so each slot learns its row's next use in the window.
@@ -33,6 +34,13 @@ are pointer chasing, one row at a time; a device wants whole-array passes):
 Per-row and per-slot arrays are stored one past their index: entry 0 belongs
 to the padding (row or slot ``-1``), and absorbs writes of padded entries, so
 no masked write needs a data-dependent shape.
+
+Capturable: once the window is full, a step (``push_device`` of a batch padded to the
+ring's width with ``-1``) is the same sequence of kernels over the same memory at every
+step. The steps it enters and plans are counters on the device, not numbers the host
+bakes into kernel arguments, so a CUDA graph captured from one step replays any later
+one (``tests/test_device_oracle.py`` traces two steps and compares them). A wider batch
+or ``grow`` reallocates the state: capture again after either.
 
 Which calls sync with the host: :meth:`~DeviceOracleCacher.push_device` and
 :meth:`~DeviceOracleCacher.finish_device` never do (their :class:`DevicePlan` holds
@@ -163,9 +171,9 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
     Memory: 16 bytes per table row (its slot and its uses, int64; 8 bytes with
     ``tie_break="recency"``, which needs no uses), 16 per cache slot (its row
     and last use) plus ``O(capacity)`` temporaries per step, and a ring of
-    ``max(L, d) + 1`` steps of 16 bytes per entry, as wide as the longest
-    batch so far (rounded up to a power of two), plus the ``L + 1`` newest
-    batches themselves.
+    ``max(L, d) + 1`` steps of 24 bytes per entry (a distinct id, its count,
+    an id of the batch), as wide as the longest batch so far (rounded up to a
+    power of two).
     """
 
     def __init__(
@@ -201,13 +209,15 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self._width = 0
         self._ring_ids = self._full((self._span, 0), -1)  # padded distinct ids per step
         self._ring_mult = self._full((self._span, 0), 0)
+        self._ring_batch = self._full((self._span, 0), -1)  # each step's ids, padded
         self._ring_step = self._full(self._span, -1)
-        self._ring_rows = torch.arange(self._span, device=self.device)
         self._positions = self._full(0, 0)  # arange(width)
         self._back = torch.arange(1, prefetch_distance + 1, device=self.device)
-        self._window: deque[torch.Tensor] = deque()  # the ids of steps entered, not planned
-        self._steps_pushed = 0
+        self._lengths: deque[int] = deque()  # the ids of each step entered, not planned
+        self._steps_pushed = 0  # on the host, for the plans' step numbers and the checks
         self._next_plan = 0
+        self._entering = self._full((), 0)  # the same two counters, on the device
+        self._planning = self._full((), 0)
         self._overflow = torch.zeros((), dtype=torch.bool, device=self.device)
         self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
@@ -302,7 +312,8 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         """``push`` with no host sync: ``ids`` is a 1-D int64 tensor on ``device`` (or what
         ``prepare_sized`` made of the next batch, checked and grown for then).
 
-        Ids outside the table become padding and set ``DevicePlan.bad_ids``; a
+        ``-1`` is padding (a batch padded to a fixed length has padded slots, ``-1``).
+        Other ids outside the table become padding too and set ``DevicePlan.bad_ids``; a
         batch that breaks the capacity rule sets ``DevicePlan.overflow``. Both
         flags are sticky and void the plans: read them when the executor syncs
         anyway, and stop.
@@ -314,7 +325,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
                 f"push_device takes a 1-D int64 tensor on {self.device}, "
                 f"got {ids.dtype} of shape {tuple(ids.shape)} on {ids.device}"
             )
-        bad = (ids < 0) | (ids >= self._rows)
+        bad = (ids < -1) | (ids >= self._rows)
         prepared = self._prepare(torch.where(bad, -1, ids), self._steps_pushed, bad.any())
         return self._enter(prepared)
 
@@ -369,7 +380,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         number = first.cumsum(0)  # each id's 1 + index among the distinct ids (padding: 0)
         distinct = self._full(1 + width, -1).scatter_(0, number * first, ordered)[1:]
         mult = self._full(1 + width, 0).index_add_(0, number, torch.ones_like(ordered))[1:]
-        rows = (step - self._back) % self._span  # ring rows of steps step-1..step-d
+        rows = (self._entering - self._back) % self._span  # ring rows of steps step-1..step-d
         together = torch.cat([self._ring_ids.index_select(0, rows).flatten(), distinct])
         pinned = _firsts(torch.sort(together).values).sum()
         return DevicePreparedBatch(self, step, ids, distinct, mult, pinned, bad)
@@ -378,28 +389,34 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         """Batch ``step`` joins the ring; returns ``plan(step - L)`` once it is due."""
         width = len(batch.distinct)
         if width > self._width:  # a longer batch than any before: widen the ring
-            self._ring_ids = pad(self._ring_ids, (0, width - self._width), value=-1)
-            self._ring_mult = pad(self._ring_mult, (0, width - self._width))
+            more = (0, width - self._width)
+            self._ring_ids = pad(self._ring_ids, more, value=-1)
+            self._ring_mult = pad(self._ring_mult, more)
+            self._ring_batch = pad(self._ring_batch, more, value=-1)
             self._positions = torch.arange(width, device=self.device)
             self._width = width
-        at = self._ring_rows[batch.step % self._span :][:1]  # a device index, no copy to it
-        fill = self._width - width
-        self._ring_ids.index_copy_(0, at, pad(batch.distinct, (0, fill), value=-1)[None])
-        self._ring_mult.index_copy_(0, at, pad(batch.mult, (0, fill))[None])
-        self._ring_step.index_fill_(0, at, batch.step)
+        at = (self._entering % self._span).view(1)
+        fill = (0, self._width - width)
+        self._ring_ids.index_copy_(0, at, pad(batch.distinct, fill, value=-1)[None])
+        self._ring_mult.index_copy_(0, at, pad(batch.mult, fill)[None])
+        ids = pad(batch.ids, (0, self._width - len(batch.ids)), value=-1)
+        self._ring_batch.index_copy_(0, at, ids[None])
+        self._ring_step.index_copy_(0, at, self._entering.view(1))
         self._overflow |= batch.pinned_rows > self.capacity
         self._bad |= batch.bad
-        self._window.append(batch.ids)
+        self._lengths.append(len(batch.ids))
         self._steps_pushed += 1
+        self._entering += 1
         if batch.step - self.lookahead >= self._next_plan:
             return self._plan()
         return None
 
     def _plan(self) -> DevicePlan:
         """Plan the next step: victims in policy order, fetches into free slots, then theirs."""
-        s, d, span = self._next_plan, self.prefetch_distance, self._span
-        row = s % span
-        distinct, mult = self._ring_ids[row], self._ring_mult[row]
+        s, d, span = self._planning, self.prefetch_distance, self._span
+        row = (s % span).view(1)
+        distinct = self._ring_ids.index_select(0, row).view(-1)
+        mult = self._ring_mult.index_select(0, row).view(-1)
         row_slot, slot_row = self._row_slot, self._slot_row[1:]
         resident_at = row_slot.gather(0, distinct + 1)  # -1: a miss, or padding
         missing = (distinct >= 0) & (resident_at < 0)
@@ -452,10 +469,12 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self._slot_last.index_fill_(0, row_slot.gather(0, distinct + 1) + 1, s)
         if self._row_uses is not None:
             self._row_uses.index_add_(0, distinct + 1, mult)
-        ids = self._window.popleft()
+        ids = self._ring_batch.index_select(0, row).view(-1)[: self._lengths.popleft()]
+        step = self._next_plan
         self._next_plan += 1
+        self._planning += 1
         return DevicePlan(
-            step=s,
+            step=step,
             slots=row_slot.gather(0, ids + 1),
             evict_ids=evict_ids,
             evict_slots=evict_slots,
