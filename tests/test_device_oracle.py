@@ -18,7 +18,7 @@ from torchrec_lookahead import DeviceOracleCacher, OracleCacher
 from torchrec_lookahead.oracle.cacher import TIE_BREAKS
 from torchrec_lookahead.oracle.device import DevicePlan
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
-from torchrec_lookahead.testing.host_waits import HostCounter, Tally
+from torchrec_lookahead.testing.host_waits import VALUE_READ_OPS, HostCounter, Tally
 
 
 def assert_same_choices(batches, capacity, lookahead, d, num_rows=None, tie_break="frequency"):
@@ -270,6 +270,7 @@ def test_a_full_windows_step_is_one_graph_that_a_cuda_graph_could_replay(tie_bre
     calls = [node.target for node in first.graph.nodes if node.op == "call_function"]
     ops = {call.__name__.split(".")[0] for call in calls}
     assert "index_copy_" in ops and not ops & _HOST_READS
+    assert not set(calls) & VALUE_READ_OPS  # kernels that read a value argument back
     for a, b, n in zip(want, [p for p in plans if p is not None], lengths, strict=True):
         got, expected = b.to_cache_plan(), a.to_cache_plan()
         assert np.array_equal(got.slots[:n], expected.slots) and (got.slots[n:] == -1).all()

@@ -55,6 +55,23 @@ def test_a_known_step_is_counted_exactly() -> None:
     assert step.emulation_s > 0
 
 
+def test_kernels_that_read_back_inside_count_as_waits() -> None:
+    """``index_fill_`` and ``masked_fill_`` take a 0-d value tensor, and on CUDA their
+    kernels read it back (``value.item()``): a wait, where a host scalar or a device
+    ``index_copy_`` of the expanded value is none."""
+    with FakeCuda() as fake, HostCounter(fake) as counter:
+        slots = torch.zeros(8, dtype=torch.int64, device="cuda")
+        at, step = torch.tensor([1, 3], device="cuda"), torch.tensor(5, device="cuda")
+        before = counter.tally().copy()
+        slots.index_fill_(0, at, step)  # a wait
+        slots.masked_fill_(slots > 4, step)  # a wait
+        slots.index_fill_(0, at, 5)  # none
+        slots.index_copy_(0, at, step.expand(2))  # none
+        waits = counter.tally().minus(before).waits
+        assert slots.cpu().tolist() == [0, 5, 0, 5, 0, 0, 0, 0]
+    assert waits == {"item": 2}
+
+
 @pytest.fixture(scope="module")
 def plain() -> dict[str, Any]:
     return run("plain")

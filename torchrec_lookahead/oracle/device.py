@@ -216,8 +216,8 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self._lengths: deque[int] = deque()  # the ids of each step entered, not planned
         self._steps_pushed = 0  # on the host, for the plans' step numbers and the checks
         self._next_plan = 0
-        self._entering = self._full((), 0)  # the same two counters, on the device
-        self._planning = self._full((), 0)
+        self._entering = self._full(1, 0)  # the same two counters, on the device
+        self._planning = self._full(1, 0)
         self._overflow = torch.zeros((), dtype=torch.bool, device=self.device)
         self._bad = torch.zeros((), dtype=torch.bool, device=self.device)
 
@@ -395,13 +395,14 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
             self._ring_batch = pad(self._ring_batch, more, value=-1)
             self._positions = torch.arange(width, device=self.device)
             self._width = width
-        at = (self._entering % self._span).view(1)
-        fill = (0, self._width - width)
-        self._ring_ids.index_copy_(0, at, pad(batch.distinct, fill, value=-1)[None])
-        self._ring_mult.index_copy_(0, at, pad(batch.mult, fill)[None])
-        ids = pad(batch.ids, (0, self._width - len(batch.ids)), value=-1)
-        self._ring_batch.index_copy_(0, at, ids[None])
-        self._ring_step.index_copy_(0, at, self._entering.view(1))
+        at = self._entering % self._span
+        for ring, entries, fill in [
+            (self._ring_ids, batch.distinct, -1),
+            (self._ring_mult, batch.mult, 0),
+            (self._ring_batch, batch.ids, -1),
+        ]:
+            ring.index_copy_(0, at, _padded(entries, self._width, fill)[None])
+        self._ring_step.index_copy_(0, at, self._entering)
         self._overflow |= batch.pinned_rows > self.capacity
         self._bad |= batch.bad
         self._lengths.append(len(batch.ids))
@@ -414,7 +415,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
     def _plan(self) -> DevicePlan:
         """Plan the next step: victims in policy order, fetches into free slots, then theirs."""
         s, d, span = self._planning, self.prefetch_distance, self._span
-        row = (s % span).view(1)
+        row = s % span
         distinct = self._ring_ids.index_select(0, row).view(-1)
         mult = self._ring_mult.index_select(0, row).view(-1)
         row_slot, slot_row = self._row_slot, self._slot_row[1:]
@@ -436,7 +437,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         hit = hit.index_fill_(0, resident_at + 1, True)[1:]
         last_use = self._slot_last[1:]
         candidate = (slot_row >= 0) & (last_use < s - d) & hit.logical_not()
-        rank = torch.where(next_use == _NEVER, 1, 2 + s + span - next_use)  # in 1..span+1
+        rank = torch.where(next_use == _NEVER, 1, (s + (span + 2)) - next_use)  # in 1..span+1
         rank = torch.where(candidate, rank, span + 2)
         rank = torch.where(slot_row >= 0, rank, 0)
         order = torch.sort(slot_row, stable=True).indices
@@ -466,7 +467,8 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         row_slot.index_fill_(0, evict_ids + 1, -1)
         row_slot.index_copy_(0, fetch_ids + 1, fetch_slots)
         self._slot_row.index_copy_(0, fetch_slots + 1, fetch_ids)
-        self._slot_last.index_fill_(0, row_slot.gather(0, distinct + 1) + 1, s)
+        used = row_slot.gather(0, distinct + 1) + 1
+        self._slot_last.index_copy_(0, used, s.expand(len(used)))  # index_fill_ would read s
         if self._row_uses is not None:
             self._row_uses.index_add_(0, distinct + 1, mult)
         ids = self._ring_batch.index_select(0, row).view(-1)[: self._lengths.popleft()]
@@ -485,6 +487,11 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
             overflow=self._overflow.clone(),
             bad_ids=self._bad.clone(),
         )
+
+
+def _padded(entries: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """``entries`` padded with ``fill`` to ``width`` (no op where they have it already)."""
+    return entries if len(entries) == width else pad(entries, (0, width - len(entries)), value=fill)
 
 
 def _firsts(ordered: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ code it watches:
 
 * a dispatch mode above the fake CUDA one sees every operator a thread issues; one
   that touches a CUDA tensor is a *device op* (views included), and some of those are
-  *host waits* (see :data:`WAIT_OPS` and the copies' rules, as in
+  *host waits* (see :data:`WAIT_OPS`, :data:`VALUE_READ_OPS` and the copies' rules, as in
   :class:`~torchrec_lookahead.testing.fake_cuda.Transfer`);
 * ``torch.cuda``'s streams, events and synchronisations are stood in for (a CPU build
   has none): synchronising a stream, an event or the device is a host wait; recording
@@ -56,7 +56,7 @@ from torchrec_lookahead._compat import (
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.threads import in_new_threads
 
-__all__ = ["WAIT_OPS", "HostCounter", "Tally"]
+__all__ = ["VALUE_READ_OPS", "WAIT_OPS", "HostCounter", "Tally"]
 
 aten = torch.ops.aten
 
@@ -70,6 +70,14 @@ WAIT_OPS = {
     UNIQUE: "unique",
     aten.unique_consecutive.default: "unique",
     aten.unique_dim.default: "unique",
+}
+# Operators whose CUDA kernel reads its 0-d value tensor back (``value.item()``) when that
+# value is on the device: the fill's value is a host scalar in the kernel.
+VALUE_READ_OPS = {
+    aten.index_fill_.int_Tensor,
+    aten.index_fill.int_Tensor,
+    aten.masked_fill_.Tensor,
+    aten.masked_fill.Tensor,
 }
 _STREAM_OPS = {aten.record_stream.default}
 # Frames of these files are not call sites: torch itself and the doubles.
@@ -202,6 +210,8 @@ class HostCounter:
         """The host wait ``func`` makes on a GPU, or ``None``."""
         if func in WAIT_OPS:
             return WAIT_OPS[func]
+        if func in VALUE_READ_OPS and is_fake(args[-1]):  # the value comes last
+            return "item"
         if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             return "repeat_interleave"
         if func is TO_COPY:
