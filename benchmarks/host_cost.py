@@ -24,7 +24,8 @@ while their internals change:
 * ``other_threads_cpu_ms``: every other thread of the process (stage, executor, torch's
   and numba's pools), from ``/proc/self/task/*/schedstat``; threads alive before the
   row's pipeline was built are another's (in a test process, earlier tests' pipelines)
-  and are not counted.
+  and are not counted; in the JSON also by thread, each with its CPU net of emulation
+  and its device ops.
 
 Figures are medians over the measured steps. Stood in for (a CPU build of torch has no
 CUDA runtime; see ``STOOD_IN``, also written to the JSON): the backward (autograd cannot
@@ -50,7 +51,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -238,12 +239,23 @@ def measure(
 @dataclass
 class Step:
     """One step: the trainer thread's CPU seconds and tally; every other thread's CPU
-    seconds (by thread name) and their tallies, summed."""
+    seconds and tally, by thread name."""
 
     cpu_s: float
     trainer: Tally
     others_s: dict[str, float]
-    others: Tally
+    others_by_name: dict[str, Tally]
+
+    @property
+    def others(self) -> Tally:
+        """Every other thread's tally, summed."""
+        return _sum(iter(self.others_by_name.values()))
+
+    def cpu_of(self, name: str) -> float:
+        return self.others_s.get(name, 0.0)
+
+    def tally_of(self, name: str) -> Tally:
+        return self.others_by_name.get(name, Tally())
 
 
 def summary(kind: str, world_size: int, batch_size: int, steps: list[Step]) -> dict[str, Any]:
@@ -251,6 +263,10 @@ def summary(kind: str, world_size: int, batch_size: int, steps: list[Step]) -> d
 
     def median(values: Iterator[float]) -> float:
         return statistics.median(list(values))
+
+    def by_name(value: Callable[[Step, str], float]) -> dict[str, float]:
+        """Each other thread's mean of ``value`` per step."""
+        return {name: statistics.fmean(value(step, name) for step in steps) for name in names}
 
     others_s = [sum(step.others_s.values()) for step in steps]
     names = sorted({name for step in steps for name in step.others_s})
@@ -268,10 +284,13 @@ def summary(kind: str, world_size: int, batch_size: int, steps: list[Step]) -> d
         "other_threads_cpu_ms": median(1e3 * s for s in others_s),
         "other_threads_emulation_ms": median(1e3 * step.others.emulation_s for step in steps),
         "other_threads_cpu_ms_mean": 1e3 * statistics.fmean(others_s),
-        "other_threads_cpu_ms_by_name": {
-            name: 1e3 * statistics.fmean(step.others_s.get(name, 0.0) for step in steps)
-            for name in names
-        },
+        "other_threads_cpu_ms_by_name": by_name(lambda step, name: 1e3 * step.cpu_of(name)),
+        "other_threads_net_ms_by_name": by_name(
+            lambda step, name: 1e3 * (step.cpu_of(name) - step.tally_of(name).emulation_s)
+        ),
+        "other_threads_device_ops_by_name": by_name(
+            lambda step, name: step.tally_of(name).device_ops
+        ),
         "other_threads_host_waits": median(step.others.host_waits for step in steps),
         "other_threads_device_ops": median(step.others.device_ops for step in steps),
         "host_waits_range": _range([step.trainer.host_waits for step in steps]),
@@ -308,7 +327,7 @@ def _run(
         spent = {
             name: t.minus(tallies_before.get(name, Tally())) for name, t in tallies_after.items()
         }
-        rest = _sum(t for name, t in spent.items() if name != mine)
+        rest = {name: t for name, t in spent.items() if name != mine}
         rows.append(Step(cpu, spent.get(mine, Tally()), others, rest))
     return rows
 

@@ -89,6 +89,9 @@ def test_both_pipelines_give_every_figure_and_identical_steps_count_alike(
         assert row["trainer_cpu_ms"] > row["emulation_ms"] > 0
     assert plain["other_threads_cpu_ms_by_name"].get("lookahead-executor") is None
     assert "lookahead-executor" in lookahead["other_threads_cpu_ms_by_name"]
+    for name, cpu_ms in on_device["other_threads_cpu_ms_by_name"].items():
+        assert on_device["other_threads_net_ms_by_name"][name] <= cpu_ms, name
+    assert on_device["other_threads_device_ops_by_name"]["lookahead-planner"] > 0
     assert (plain["planner"], lookahead["planner"], on_device["planner"]) == (
         None,
         "host",
