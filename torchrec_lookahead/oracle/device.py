@@ -39,7 +39,7 @@ Capturable: once the window is full, a step (``push_device`` of a batch padded t
 ring's width with ``-1``) is the same sequence of kernels over the same memory at every
 step. The steps it enters and plans are counters on the device, not numbers the host
 bakes into kernel arguments, so a CUDA graph captured from one step replays any later
-one (``tests/test_device_oracle.py`` traces two steps and compares them). A wider batch
+one (``tests/test_device_oracle.py`` traces three steps and compares them). A wider batch
 or ``grow`` reallocates the state: capture again after either.
 
 Which calls sync with the host: :meth:`~DeviceOracleCacher.push_device` and
@@ -468,7 +468,8 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         row_slot.index_copy_(0, fetch_ids + 1, fetch_slots)
         self._slot_row.index_copy_(0, fetch_slots + 1, fetch_ids)
         used = row_slot.gather(0, distinct + 1) + 1
-        self._slot_last.index_copy_(0, used, s.expand(len(used)))  # index_fill_ would read s
+        # Not index_fill_(…, s): on CUDA, index_fill_ reads a tensor value back to the host.
+        self._slot_last.index_copy_(0, used, s.expand(len(used)))
         if self._row_uses is not None:
             self._row_uses.index_add_(0, distinct + 1, mult)
         ids = self._ring_batch.index_select(0, row).view(-1)[: self._lengths.popleft()]
