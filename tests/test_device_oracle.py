@@ -263,6 +263,7 @@ def test_a_full_windows_step_is_one_graph_that_a_cuda_graph_could_replay(tie_bre
     plans += oracle.finish_device()
 
     first = graphs[0]
+    assert len(dict(first.named_buffers())) > 5  # the oracle's state, held as buffers
     for graph in graphs[1:]:
         assert graph.code == first.code
         for name, tensor in graph.named_buffers():  # the oracle's state, read and written
