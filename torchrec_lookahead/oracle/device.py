@@ -213,7 +213,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self._ring_step = self._full(self._span, -1)
         self._positions = self._full(0, 0)  # arange(width)
         self._back = torch.arange(1, prefetch_distance + 1, device=self.device)
-        self._lengths: deque[int] = deque()  # the ids of each step entered, not planned
+        self._lengths: deque[int] = deque()  # how many ids each step entered, not planned, has
         self._steps_pushed = 0  # on the host, for the plans' step numbers and the checks
         self._next_plan = 0
         self._entering = self._full(1, 0)  # the same two counters, on the device
