@@ -60,12 +60,14 @@ STAGE_THREAD = {"default": None, "inline": False, "thread": True}  # --stage: st
 
 # Lookahead's settings, by where its plans are made (LookaheadTrainPipeline's planner=).
 PLANNED = {"lookahead": "host", "lookahead-device": "device"}
+KINDS = ["fused", *ALGORITHMS, *PLANNED]
 
 
-def settings(fractions: list[float], planners: list[str]) -> list[tuple[str, float | None]]:
-    lookahead = [kind for kind, planner in PLANNED.items() if planner in planners]
-    return [("fused", None)] + [
-        (kind, f) for kind in ("uvm-lru", "uvm-lfu", *lookahead) for f in fractions
+def settings(fractions: list[float], kinds: list[str]) -> list[tuple[str, float | None]]:
+    """(kind, cache fraction) for each measured setting: fused (no cache) once, then every
+    cached kind at one fraction before the next, so a run stopped early has whole fractions."""
+    return [(k, None) for k in KINDS if k == "fused" and k in kinds] + [
+        (k, f) for f in fractions for k in KINDS if k != "fused" and k in kinds
     ]
 
 
@@ -157,6 +159,25 @@ def measure(
     }
 
 
+HEADER = (
+    f"{'setting':>17}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}"
+    f"{'MiB moved':>11}{'stage wait':>12}{'stage CPU':>11}"
+)
+
+
+def line(r: dict) -> str:
+    """One setting's row of the table under HEADER."""
+    share = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.0%}"
+    stage_cpu = sum(v for k, v in r.items() if k.startswith("stage_cpu_"))
+    wait, cpu = (f"{r['stage_ms']:.2f}", f"{stage_cpu:.2f}") if "stage_ms" in r else ("-", "-")
+    moved = r["bytes_moved_per_step"]
+    mib = "-" if moved is None else f"{moved / 2**20:.2f}"
+    return (
+        f"{r['setting']:>17}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
+        f"{r['peak_hbm_mb']:>13,.0f}{mib:>11}{wait:>12}{cpu:>11}"
+    )
+
+
 class Split:
     """Where a lookahead step's time goes, per step after warm-up: the trainer's wait for
     the stage's next planned batch and for rows to land, and the stage thread's own CPU
@@ -212,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--planning-workers", type=int, default=1, help="lookahead's planning threads")
     p.add_argument(
-        "--planners",
+        "--settings",
         nargs="+",
-        choices=sorted(set(PLANNED.values())),
-        default=sorted(set(PLANNED.values())),
-        help="where lookahead's plans are made (one setting each)",
+        choices=KINDS,
+        default=KINDS,
+        help="the settings measured (a short lease can trim them)",
     )
     p.add_argument("--cache-fractions", type=float, nargs="+", default=[0.02, 0.05, 0.10])
     p.add_argument("--seed", type=int, default=0)
@@ -230,34 +251,23 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl", rank=0, world_size=1)
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
+    rounds: list[list[dict]] = []
+    print(HEADER, flush=True)
     try:  # every setting once per round, so drift on the machine spreads over all of them
-        rounds = [
-            [
-                measure(kind, fraction, args, device)
-                for kind, fraction in settings(args.cache_fractions, args.planners)
-            ]
-            for _ in range(args.repeats)
-        ]
+        for _ in range(args.repeats):
+            rounds.append([])
+            for kind, fraction in settings(args.cache_fractions, args.settings):
+                rounds[-1].append(measure(kind, fraction, args, device))
+                print(line(rounds[-1][-1]), flush=True)  # a run stopped early keeps these
     finally:
         dist.destroy_process_group()
     results = [dict(runs[0], step_ms_rounds=[r["step_ms"] for r in runs]) for runs in zip(*rounds)]
     for r in results:  # the median round's step time
         r["step_ms"] = statistics.median(r["step_ms_rounds"])
         r["samples_per_s"] = args.batch_size * 1000 / r["step_ms"]
-    print(
-        f"{'setting':>17}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}"
-        f"{'MiB moved':>11}{'stage wait':>12}{'stage CPU':>11}"
-    )
+    print(f"medians over {args.repeats} round(s)\n{HEADER}")
     for r in results:
-        share = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.0%}"
-        stage_cpu = sum(v for k, v in r.items() if k.startswith("stage_cpu_"))
-        wait, cpu = (f"{r['stage_ms']:.2f}", f"{stage_cpu:.2f}") if "stage_ms" in r else ("-", "-")
-        moved = r["bytes_moved_per_step"]
-        mib = "-" if moved is None else f"{moved / 2**20:.2f}"
-        print(
-            f"{r['setting']:>17}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
-            f"{r['peak_hbm_mb']:>13,.0f}{mib:>11}{wait:>12}{cpu:>11}"
-        )
+        print(line(r))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {

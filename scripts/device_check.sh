@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the `device` tool; shared/notes/gpu-device.md): installs the
 # pieces scripts/device_pack.sh made beside the image's torch, then runs
-# scripts/gpu_check.sh and leaves its short results in $OUT (at most 8 files come back).
+# scripts/gpu_check.sh with its results in $OUT (at most 8 files come back: GPU_PARTS picks
+# the parts a call runs).
 #
 # Pieces arrive one per call (carry .gpu/p00, then .gpu/p01, ...; the last call carries
 # the last piece and .gpu/whl); a call before the last one can run `ls .gpu`.
@@ -20,8 +21,4 @@ if [ ! -d "$site/fbgemm_gpu" ]; then
 fi
 export PYTHONPATH=$site:$PWD
 nvidia-smi -L
-bash scripts/gpu_check.sh python3 /tmp/gpu_check
-rc=$?
-cp /tmp/gpu_check/{summary,versions,tests,bench,heavy,example}.txt /tmp/gpu_check/report.json "$out"/ 2>/dev/null
-cp /tmp/gpu_check/heavy/report.json "$out"/heavy.json 2>/dev/null
-exit $rc
+exec bash scripts/gpu_check.sh python3 "$out"  # its logs land in $OUT as they are written

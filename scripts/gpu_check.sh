@@ -2,7 +2,8 @@
 # make gpu-check: the CUDA path on a GPU. Never run where this project is developed (no
 # GPU there): on a machine without CUDA it says so and fails.
 #
-# Usage: gpu_check.sh [PYTHON] [OUT]. For a lent machine's short lease: GPU_BENCH_ARGS adds
+# Usage: gpu_check.sh [PYTHON] [OUT]. For a lent machine's short lease: GPU_PARTS picks
+# parts (some of: tests bench heavy example ws2; all by default), GPU_BENCH_ARGS adds
 # arguments to benchmarks/gpu.py, GPU_PART_TIMEOUT (seconds) bounds each part. Every part
 # runs even when one before it failed; the last lines are one table of what passed, and
 # the exit status is non-zero if anything failed.
@@ -20,6 +21,7 @@ print('gpu-check:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
       '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)" \
   2>&1 | grep '^gpu-check:' | tee "$out/versions.txt"
 declare -a table=()
+wanted() { [[ " ${GPU_PARTS:-tests bench heavy example ws2} " == *" $1 "* ]]; }
 part() {  # part NAME LOG COMMAND...: runs one part, logs it, records its outcome
   local name=$1 log=$2
   shift 2
@@ -33,30 +35,32 @@ part() {  # part NAME LOG COMMAND...: runs one part, logs it, records its outcom
 }
 # The CUDA-marked tests: the unsharded cache under torch's CUDA sanitizer (it reports
 # kernels racing on memory across streams: the side stream, the stage, the trainer),
-# the benchmark, then the DLRM example (DMP over NCCL, three runs of it). The example
+# the benchmark, then the DLRM example (DMP over NCCL, four runs of it). The example
 # goes without the sanitizer: its loader's forked workers run torch operators, and the
 # sanitizer's hook then initialises CUDA in a forked child, which CUDA refuses.
 pytest=("$py" -m pytest -v -m cuda -p no:cacheprovider tests/test_gpu.py)
-part "cuda tests: the cache (sanitizer)" "$out/tests.txt" \
+wanted tests && part "cuda tests: the cache (sanitizer)" "$out/tests.txt" \
   env TORCH_CUDA_SANITIZER=1 "${pytest[@]}" -k "not dlrm_example"
 # shellcheck disable=SC2086
-part "benchmarks/gpu.py" "$out/bench.txt" "$py" benchmarks/gpu.py --out "$out" ${GPU_BENCH_ARGS:-}
+wanted bench && part "benchmarks/gpu.py" "$out/bench.txt" "$py" benchmarks/gpu.py --out "$out" ${GPU_BENCH_ARGS:-}
 # Issue 40's miss-heavy regime (docs/results.md, "Bytes over the host link"): full-size
 # tables, dim 128, 1% caches, 32,768 samples, each setting twice in alternation, with the
 # bytes lookahead's cache moved per step. GPU_HEAVY_ARGS replaces these arguments.
 heavy=(--scale 1.0 --dim 128 --zipf 1.05 --batch-size 32768 --cache-fractions 0.01
        --steps 40 --warmup 10 --repeats 2)
 # shellcheck disable=SC2086
-part "benchmarks/gpu.py (miss-heavy)" "$out/heavy.txt" \
+wanted heavy && part "benchmarks/gpu.py (miss-heavy)" "$out/heavy.txt" \
   "$py" benchmarks/gpu.py --out "$out/heavy" ${GPU_HEAVY_ARGS:-${heavy[*]}}
-part "cuda tests: the example" "$out/example.txt" "${pytest[@]}" -k dlrm_example
+wanted example && part "cuda tests: the example" "$out/example.txt" "${pytest[@]}" -k dlrm_example
 # Two ranks over NCCL: hot rows with table-wise tables, then with row-wise tables, each
 # against plain TorchRec on the same plan. NCCL refuses two ranks on one GPU.
 gpus=$("$py" -c "import torch; print(torch.cuda.device_count())")
 tiny=(--scale 0.001 --synthetic_samples_per_day 8192 --batch_size 256 --limit_train_batches 40
       --limit_val_batches 2 --limit_test_batches 2 --baseline --adagrad
       --data_cache "$out/data")
-for job in "hot:--hot_rows" "row_wise:--hot_rows --sharding_type row_wise"; do
+jobs=("hot:--hot_rows" "row_wise:--hot_rows --sharding_type row_wise")
+wanted ws2 || jobs=()
+for job in "${jobs[@]}"; do
   name=${job%%:*}
   if [ "$gpus" -lt 2 ]; then
     table+=("$(printf '%-36s %-6s %s' "two ranks over NCCL ($name)" "not run" "needs 2 GPUs, $gpus here")")

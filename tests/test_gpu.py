@@ -95,7 +95,8 @@ def test_unsharded_cuda_cache_matches_all_resident_training(
 
 def test_dlrm_example_on_one_gpu_matches_plain_torchrec_through_a_checkpoint(tmp_path) -> None:
     """DMP at world size 1 over NCCL (table-wise, the store a UVM TBE), a checkpoint
-    mid-run, resumed: the weights equal plain TorchRec's (``fused``) bitwise."""
+    mid-run, resumed: the weights equal plain TorchRec's (``fused``) bitwise, with plans
+    made on the host and on the device."""
     common = [
         sys.executable,
         "-m",
@@ -146,13 +147,16 @@ def test_dlrm_example_on_one_gpu_matches_plain_torchrec_through_a_checkpoint(tmp
         text=True,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    whole = subprocess.run(
-        common + ["--out", str(tmp_path / "c"), "--limit_train_batches", "24", "--baseline"],
-        capture_output=True,
-        text=True,
-    )
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
-    assert summary["weights_match"] is True
+    for planner in PLANNERS:  # the whole run against plain TorchRec, plans made either way
+        whole = subprocess.run(
+            common
+            + ["--out", str(tmp_path / planner), "--limit_train_batches", "24", "--baseline"]
+            + ["--planner", planner],
+            capture_output=True,
+            text=True,
+        )
+        assert whole.returncode == 0, whole.stderr[-3000:]
+        summary = json.loads((tmp_path / planner / "summary.json").read_text())
+        assert summary["weights_match"] is True, planner
     resumed_digest = json.loads((tmp_path / "b" / "summary.json").read_text())["weights_digest"]
     assert resumed_digest == summary["weights_digest"]
