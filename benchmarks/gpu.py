@@ -8,27 +8,33 @@ at world size 1 over NCCL, table-wise. The settings:
 * ``uvm-lru`` / ``uvm-lfu``: TorchRec's ``fused_uvm_caching`` (FBGEMM's LRU or LFU
   cache of --cache-fractions of each table in HBM, the rest in UVM) with
   ``PrefetchTrainPipelineSparseDist`` (one batch prefetched into the cache);
-* ``lookahead``: this project's sharder and pipeline at the same fractions.
+* ``lookahead`` / ``lookahead-device``: this project's sharder and pipeline at the same
+  fractions, its plans made on the host (the numba oracle) or on the device.
 
-A figure is the median step time after --warmup steps (CUDA synchronised around
-each step; with --repeats, the median over rounds that run every setting in turn), and
-the peak HBM allocated; for lookahead the bytes its cache moved per step (rows and their
-optimizer state, both ways); for lookahead also, per step after warm-up,
-how long the trainer waited for the stage's planned batch and the stage thread's CPU
-time (input dist and planning), which say whether the stage bounds the step. Prints
-one table, writes ``OUT/report.json``. Needs a GPU (``make gpu-check`` runs it; one
-run on an H200 is in ``docs/results.md``).
+A figure is the median step time of --steps steps after --warmup (CUDA synchronised
+around each step; with --repeats, the median over rounds that run every setting in
+turn). The data runs on past the last step timed, so no timed step is one of the
+window's draining steps, which enter no batch. Also reported: the steady steps' times;
+the peak HBM the setting allocated (above what an earlier setting left); for lookahead,
+per step after warm-up, the bytes its cache moved (rows and their optimizer state, both
+ways), how long the trainer waited for the stage's planned batch, and the stage
+threads' CPU time (input dist and planning), which say whether the stage bounds the
+step. Prints one table, writes ``OUT/report.json``. Needs a GPU (``make gpu-check``
+runs it; its runs on an H200 are in ``docs/results.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -129,34 +135,55 @@ def build(kind: str, fraction: float | None, args: argparse.Namespace, device: t
 def measure(
     kind: str, fraction: float | None, args: argparse.Namespace, device: torch.device
 ) -> dict:
+    gc.collect()  # the last setting's model and pipeline (reference cycles) leave HBM
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     pipeline, data = build(kind, fraction, args, device)
-    batches = iter([criteo_batch(data, s, args.batch_size) for s in range(args.steps)])
+    # Every timed step is a steady one: lookahead's window holds L + d + 1 batches (d = 1),
+    # so the data runs that far past the last step taken. A step after the data ran out
+    # (the window draining) enters no batch and would flatter lookahead.
+    ahead = args.lookahead + 2
+    total = args.steps + args.profile_steps + ahead
+    batches = iter([criteo_batch(data, s, args.batch_size) for s in range(total)])
     times = []
     split = Split(pipeline if kind in PLANNED else None)
-    while True:
-        if len(times) == args.warmup:
+    for step in range(args.steps):
+        if step == args.warmup:
             split.start()
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        try:
-            pipeline.progress(batches)
-        except StopIteration:
-            break
+        pipeline.progress(batches)
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    steady = times[args.warmup :] or times
-    moved = split.bytes_per_step(len(steady))
-    return {
+    steady = times[args.warmup :]
+    result = {
         "setting": kind,
         "cache_fraction": fraction,
         "steps": len(times),
         "step_ms": 1000 * statistics.median(steady),
         "samples_per_s": args.batch_size / statistics.median(steady),
-        "peak_hbm_mb": torch.cuda.max_memory_allocated(device) / 2**20,
-        "bytes_moved_per_step": moved,
+        "peak_hbm_mb": (torch.cuda.max_memory_allocated(device) - left) / 2**20,
+        "bytes_moved_per_step": split.bytes_per_step(len(steady)),
+        "steady_step_ms": [1000 * t for t in steady],
         **split.per_step_ms(len(steady)),
     }
+    if args.profile_steps:
+        result["profile"] = profile(pipeline, batches, args.profile_steps, device)
+    if isinstance(pipeline, LookaheadTrainPipeline):
+        pipeline.close()  # its stage still holds the batches past the last step
+    return result
+
+
+def profile(pipeline: Any, batches: Iterator[Any], steps: int, device: torch.device) -> str:
+    """Where ``steps`` more steps' time goes, by operator: torch.profiler's table (every
+    thread's CPU ops and the device's kernels), sorted by device time."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            pipeline.progress(batches)
+        torch.cuda.synchronize(device)
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
 
 
 HEADER = (
@@ -242,7 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-fractions", type=float, nargs="+", default=[0.02, 0.05, 0.10])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="rounds over every setting, alternated")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="steps profiled after the timed ones (torch.profiler's table in the JSON)",
+    )
     args = p.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        p.error("--warmup must be at least 0 and below --steps")
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device here; it needs a GPU", file=sys.stderr)
         return 1
@@ -261,7 +296,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(line(rounds[-1][-1]), flush=True)  # a run stopped early keeps these
     finally:
         dist.destroy_process_group()
-    results = [dict(runs[0], step_ms_rounds=[r["step_ms"] for r in runs]) for runs in zip(*rounds)]
+    results = [
+        dict(
+            runs[0],
+            step_ms_rounds=[r["step_ms"] for r in runs],
+            steady_step_ms=[r["steady_step_ms"] for r in runs],  # by round
+        )
+        for runs in zip(*rounds)
+    ]
     for r in results:  # the median round's step time
         r["step_ms"] = statistics.median(r["step_ms_rounds"])
         r["samples_per_s"] = args.batch_size * 1000 / r["step_ms"]
