@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind, fraction in settings(args.cache_fractions, args.settings):
                 rounds[-1].append(measure(kind, fraction, args, device))
                 print(line(rounds[-1][-1]), flush=True)  # a run stopped early keeps these
+                print(rounds[-1][-1].get("profile", ""), end="", flush=True)
     finally:
         dist.destroy_process_group()
     results = [

@@ -3,7 +3,7 @@
 # GPU there): on a machine without CUDA it says so and fails.
 #
 # Usage: gpu_check.sh [PYTHON] [OUT]. For a lent machine's short lease: GPU_PARTS picks
-# parts (some of: tests bench heavy example ws2; all by default), GPU_BENCH_ARGS adds
+# parts (some of: tests bench profile heavy example ws2; all by default), GPU_BENCH_ARGS adds
 # arguments to benchmarks/gpu.py, GPU_PART_TIMEOUT (seconds) bounds each part. Every part
 # runs even when one before it failed; the last lines are one table of what passed, and
 # the exit status is non-zero if anything failed.
@@ -21,7 +21,7 @@ print('gpu-check:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
       '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)" \
   2>&1 | grep '^gpu-check:' | tee "$out/versions.txt"
 declare -a table=()
-wanted() { [[ " ${GPU_PARTS:-tests bench heavy example ws2} " == *" $1 "* ]]; }
+wanted() { [[ " ${GPU_PARTS:-tests bench profile heavy example ws2} " == *" $1 "* ]]; }
 part() {  # part NAME LOG COMMAND...: runs one part, logs it, records its outcome
   local name=$1 log=$2
   shift 2
@@ -43,6 +43,11 @@ wanted tests && part "cuda tests: the cache (sanitizer)" "$out/tests.txt" \
   env TORCH_CUDA_SANITIZER=1 "${pytest[@]}" -k "not dlrm_example"
 # shellcheck disable=SC2086
 wanted bench && part "benchmarks/gpu.py" "$out/bench.txt" "$py" benchmarks/gpu.py --out "$out" ${GPU_BENCH_ARGS:-}
+# Where a step's time goes at gpu.py's shape (5% caches): torch.profiler's table for five
+# steps of fused and of lookahead with either planner, after 40 timed ones.
+wanted profile && part "benchmarks/gpu.py (profile)" "$out/profile.txt" \
+  "$py" benchmarks/gpu.py --out "$out/profile" --settings fused lookahead lookahead-device \
+  --cache-fractions 0.05 --steps 40 --warmup 20 --profile-steps 5
 # Issue 40's miss-heavy regime (docs/results.md, "Bytes over the host link"): full-size
 # tables, dim 128, 1% caches, 32,768 samples, each setting twice in alternation, with the
 # bytes lookahead's cache moved per step. GPU_HEAVY_ARGS replaces these arguments.
