@@ -3,10 +3,10 @@
 # GPU there): on a machine without CUDA it says so and fails.
 #
 # Usage: gpu_check.sh [PYTHON] [OUT]. For a lent machine's short lease: GPU_PARTS picks
-# parts (some of: tests bench profile heavy example ws2; all by default), GPU_BENCH_ARGS adds
-# arguments to benchmarks/gpu.py, GPU_PART_TIMEOUT (seconds) bounds each part. Every part
-# runs even when one before it failed; the last lines are one table of what passed, and
-# the exit status is non-zero if anything failed.
+# parts (some of: tests bench profile workers heavy example ws2; all by default),
+# GPU_BENCH_ARGS adds arguments to benchmarks/gpu.py, GPU_PART_TIMEOUT (seconds) bounds
+# each part. Every part runs even when one before it failed; the last lines are one table
+# of what passed, and the exit status is non-zero if anything failed.
 set -uo pipefail
 py=${1:-.venv/bin/python}
 out=${2:-results/gpu_check}
@@ -21,7 +21,7 @@ print('gpu-check:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
       '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)" \
   2>&1 | grep '^gpu-check:' | tee "$out/versions.txt"
 declare -a table=()
-wanted() { [[ " ${GPU_PARTS:-tests bench profile heavy example ws2} " == *" $1 "* ]]; }
+wanted() { [[ " ${GPU_PARTS:-tests bench profile workers heavy example ws2} " == *" $1 "* ]]; }
 part() {  # part NAME LOG COMMAND...: runs one part, logs it, records its outcome
   local name=$1 log=$2
   shift 2
@@ -48,6 +48,11 @@ wanted bench && part "benchmarks/gpu.py" "$out/bench.txt" "$py" benchmarks/gpu.p
 wanted profile && part "benchmarks/gpu.py (profile)" "$out/profile.txt" \
   "$py" benchmarks/gpu.py --out "$out/profile" --settings fused lookahead lookahead-device \
   --cache-fractions 0.05 --steps 40 --warmup 20 --profile-steps 5
+# Whether the host planner's planning, split over four threads (numba, nogil), keeps up
+# with the fused step at gpu.py's shape (one thread: about 9-13 ms of CPU a batch there).
+wanted workers && part "benchmarks/gpu.py (4 workers)" "$out/workers.txt" \
+  "$py" benchmarks/gpu.py --out "$out/workers" --settings fused lookahead --planning-workers 4 \
+  --steps 60 --warmup 20 --repeats 2
 # Issue 40's miss-heavy regime (docs/results.md, "Bytes over the host link"): full-size
 # tables, dim 128, 1% caches, 32,768 samples, each setting twice in alternation, with the
 # bytes lookahead's cache moved per step. GPU_HEAVY_ARGS replaces these arguments.
