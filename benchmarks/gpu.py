@@ -292,17 +292,18 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeats):
             rounds.append([])
             for kind, fraction in settings(args.cache_fractions, args.settings):
-                rounds[-1].append(measure(kind, fraction, args, device))
-                print(line(rounds[-1][-1]), flush=True)  # a run stopped early keeps these
-                print(rounds[-1][-1].get("profile", ""), end="", flush=True)
+                result = measure(kind, fraction, args, device)
+                rounds[-1].append(result)
+                print(line(result), flush=True)  # a run stopped early keeps these
+                print(result.get("profile", ""), end="", flush=True)
     finally:
         dist.destroy_process_group()
     results = [
-        dict(
-            runs[0],
-            step_ms_rounds=[r["step_ms"] for r in runs],
-            steady_step_ms=[r["steady_step_ms"] for r in runs],  # by round
-        )
+        {k: v for k, v in runs[0].items() if k != "steady_step_ms"}
+        | {
+            "step_ms_rounds": [r["step_ms"] for r in runs],
+            "steady_step_ms_rounds": [r["steady_step_ms"] for r in runs],
+        }
         for runs in zip(*rounds)
     ]
     for r in results:  # the median round's step time
