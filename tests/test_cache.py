@@ -9,6 +9,7 @@ import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
+from torchrec_lookahead.cache.id_passes import pool_ids, table_counts
 from torchrec_lookahead.cache.pools import slot_pools
 from torchrec_lookahead.cache.slot_cache import SlotCache
 from torchrec_lookahead.oracle.contract import CachePlan
@@ -40,6 +41,31 @@ def test_a_pools_ids_split_back_into_their_tables_rows() -> None:
     counts = pool.table_counts(ids)
     bounds = zip(pool.offsets[:-1], pool.offsets[1:])
     assert counts.tolist() == [int(((lo <= ids) & (ids < hi)).sum()) for lo, hi in bounds]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_a_batchs_ids_become_pool_ids_in_one_pass_and_the_first_bad_id_is_found(dtype) -> None:
+    rng = np.random.default_rng(1)
+    rows, offsets, lengths = np.array([5, 9, 3]), np.array([0, 5, 14]), np.array([4, 0, 6])
+    values = np.concatenate([rng.integers(0, r, n) for r, n in zip(rows, lengths)]).astype(dtype)
+    ids, bad = pool_ids(values, lengths, rows, offsets)
+    assert bad == -1 and ids.dtype == np.int64
+    assert ids.tolist() == (values + np.repeat(offsets, lengths)).tolist()
+    for position, value in [(5, 3), (6, -1), (2, 5)]:  # 3 is past the third table's rows
+        broken = values.copy()
+        broken[position] = value
+        broken[9] = -4  # a later bad id: the first one is reported
+        assert pool_ids(broken, lengths, rows, offsets)[1] == position
+
+
+def test_ids_are_counted_per_range_as_numpy_counts_them() -> None:
+    offsets = np.array([0, 5, 5, 12, 20])  # the second range is empty
+    rng = np.random.default_rng(2)
+    runs = np.sort(rng.integers(-3, 24, 300))  # runs of one range, and ids outside all
+    for ids in (runs, rng.permutation(runs), runs[:0]):
+        inside = ids[(ids >= 0) & (ids < 20)]
+        expected = np.bincount(np.searchsorted(offsets, inside, side="right") - 1, minlength=4)
+        assert table_counts(ids, offsets).tolist() == expected.tolist()
 
 
 @pytest.fixture

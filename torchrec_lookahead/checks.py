@@ -26,6 +26,7 @@ __all__ = [
     "check_feature_ids",
     "check_structure",
     "check_variable_batch",
+    "feature_id_error",
     "no_fused_optimizer",
     "not_sharded",
 ]
@@ -157,14 +158,26 @@ def check_feature_ids(
     """
     limits = np.repeat(np.asarray(rows_per_key, dtype=np.int64), lengths_per_key)
     bad = (values < 0) | (values >= limits)
-    if not bad.any():
-        return
-    position = int(np.argmax(bad))
+    if bad.any():
+        raise feature_id_error(
+            int(np.argmax(bad)), values, lengths_per_key, keys, rows_per_key, where
+        )
+
+
+def feature_id_error(
+    position: int,
+    values: np.ndarray,
+    lengths_per_key: Sequence[int] | np.ndarray,
+    keys: Sequence[str],
+    rows_per_key: Sequence[int] | np.ndarray,
+    where: str,
+) -> ValueError:
+    """The error :func:`check_feature_ids` raises for the bad id at ``position``."""
     key = int(np.searchsorted(np.cumsum(lengths_per_key), position, side="right"))
     value = int(values[position])
     if value < 0:
-        raise ValueError(f"{where}: feature {keys[key]!r}: negative id {value}")
-    raise ValueError(
+        return ValueError(f"{where}: feature {keys[key]!r}: negative id {value}")
+    return ValueError(
         f"{where}: feature {keys[key]!r}: id {value} is out of range for a table of "
         f"{rows_per_key[key]} rows"
     )

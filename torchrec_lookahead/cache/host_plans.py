@@ -20,8 +20,9 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_lookahead.streams as streams
+from torchrec_lookahead.cache.id_passes import pool_ids
 from torchrec_lookahead.cache.planning import Planning
-from torchrec_lookahead.checks import check_feature_ids
+from torchrec_lookahead.checks import feature_id_error
 from torchrec_lookahead.oracle import OracleCacher, PartitionedOracle
 from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
 from torchrec_lookahead.steps import StepMoves
@@ -59,11 +60,11 @@ class HostPlanning(Planning):
     ) -> list[tuple[Any, int]]:
         layout = self.layout
         values = features.values().cpu().numpy()
-        lengths = features.length_per_key()
-        check_feature_ids(values, lengths, features.keys(), layout.feature_rows, f"step {step}")
-        ids = values
-        if layout.feature_offset.any():
-            ids = values + np.repeat(layout.feature_offset, lengths)
+        lengths = np.asarray(features.length_per_key(), dtype=np.int64)
+        ids, bad = pool_ids(values, lengths, layout.feature_rows, layout.feature_offset)
+        if bad >= 0:
+            keys, rows = features.keys(), layout.feature_rows
+            raise feature_id_error(bad, values, lengths, keys, rows, f"step {step}")
         per_pool = [ids[where] for where in positions] if len(layout.pools) > 1 else [ids]
         return [oracle.prepare_sized(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
 

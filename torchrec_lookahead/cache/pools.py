@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
+from torchrec_lookahead.cache.id_passes import table_counts
+
 __all__ = ["SHARING_OPTIMIZERS", "SlotPool", "slot_pools"]
 
 # Optimizers whose FBGEMM update is checked bitwise the same when tables share a pool.
@@ -61,8 +63,7 @@ class SlotPool:
         """How many of ``ids`` fall in each table of the pool."""
         if len(self.tables) == 1:
             return np.array([len(ids)])
-        local = np.searchsorted(self.offsets, ids, side="right") - 1
-        return np.bincount(local, minlength=len(self.tables))
+        return table_counts(ids, self.offsets)
 
 
 def slot_pools(
