@@ -9,7 +9,8 @@
 # lease of 2026-11-28 (an H200, 900 s of device time): the first call held the machine
 # 40 s, the second 6 s; the third installed in 3 s and ran GPU_PARTS="tests bench" in
 # 265 s (bench: --steps 50 --repeats 2); "heavy example" took 297 s. So a lease's plan:
-# the pieces, then GPU_PARTS="bench profile workers" and GPU_PARTS="heavy tests example".
+# the pieces, then GPU_PARTS="bench profile planning workers" and GPU_PARTS="heavy tests
+# example".
 set -uo pipefail
 out=${OUT:-results/device}
 site=/tmp/site

@@ -3,7 +3,7 @@
 # GPU there): on a machine without CUDA it says so and fails.
 #
 # Usage: gpu_check.sh [PYTHON] [OUT]. For a lent machine's short lease: GPU_PARTS picks
-# parts (some of: tests bench profile workers heavy example ws2; all by default),
+# parts (some of: tests bench profile planning workers heavy example ws2; all by default),
 # GPU_BENCH_ARGS adds arguments to benchmarks/gpu.py, GPU_PART_TIMEOUT (seconds) bounds
 # each part. Every part runs even when one before it failed; the last lines are one table
 # of what passed, and the exit status is non-zero if anything failed.
@@ -21,7 +21,7 @@ print('gpu-check:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
       '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)" \
   2>&1 | grep '^gpu-check:' | tee "$out/versions.txt"
 declare -a table=()
-wanted() { [[ " ${GPU_PARTS:-tests bench profile workers heavy example ws2} " == *" $1 "* ]]; }
+wanted() { [[ " ${GPU_PARTS:-tests bench profile planning workers heavy example ws2} " == *" $1 "* ]]; }
 part() {  # part NAME LOG COMMAND...: runs one part, logs it, records its outcome
   local name=$1 log=$2
   shift 2
@@ -48,6 +48,11 @@ wanted bench && part "benchmarks/gpu.py" "$out/bench.txt" "$py" benchmarks/gpu.p
 wanted profile && part "benchmarks/gpu.py (profile)" "$out/profile.txt" \
   "$py" benchmarks/gpu.py --out "$out/profile" --settings fused lookahead lookahead-device \
   --cache-fractions 0.05 --steps 40 --warmup 20 --profile-steps 5
+# The host planner's planning per batch on this host's CPU (no GPU in it), one thread
+# and four: what the trainer waits for when planning is slower than a step.
+wanted planning && part "benchmarks/planning.py" "$out/planning.txt" \
+  "$py" benchmarks/planning.py --out "$out/planning" --batch-sizes 8192 32768 \
+  --fractions 0.05 --workers 1 4 --repeats 2
 # Whether the host planner's planning, split over four threads (numba, nogil), keeps up
 # with the fused step at gpu.py's shape (one thread: about 9-13 ms of CPU a batch there).
 wanted workers && part "benchmarks/gpu.py (4 workers)" "$out/workers.txt" \

@@ -600,3 +600,14 @@ def test_preprocess_report_measures_memory_and_speed_and_removes_the_data(
     # The threshold maps rare ids to one row: no column grows.
     assert all(a <= b for a, b in zip(results[2]["table_sizes"], results[0]["table_sizes"]))
     assert not work.exists(), "the generated days and outputs must be removed"
+
+
+def test_planning_report_times_the_host_planner_and_counts_its_calls(tmp_path: Path) -> None:
+    flags = ["--scale", "0.002", "--batch-sizes", "64", "256", "--fractions", "0.05"]
+    out = benchmark("planning", tmp_path, *flags, "--batches", "12", "--warmup", "6")
+    assert "wall ms" in out
+    rows = json.loads((tmp_path / "report.json").read_text())["results"]
+    assert [(r["batch_size"], r["ids_per_batch"]) for r in rows] == [(64, 64 * 26), (256, 256 * 26)]
+    assert all(r["cpu_ms"] > 0 and r["wall_ms"] > 0 and len(r["cpu_ms_runs"]) == 3 for r in rows)
+    # A batch's interpreter work (its calls hold the GIL) does not grow with its ids.
+    assert rows[0]["calls"] == rows[1]["calls"] > 0
