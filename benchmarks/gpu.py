@@ -11,16 +11,21 @@ at world size 1 over NCCL, table-wise. The settings:
 * ``lookahead`` / ``lookahead-device``: this project's sharder and pipeline at the same
   fractions, its plans made on the host (the numba oracle) or on the device.
 
-A figure is the median step time of --steps steps after --warmup (CUDA synchronised
-around each step; with --repeats, the median over rounds that run every setting in
-turn). The data runs on past the last step timed, so no timed step is one of the
-window's draining steps, which enter no batch. Also reported: the steady steps' times;
-the peak HBM the setting allocated (above what an earlier setting left); for lookahead,
-per step after warm-up, the bytes its cache moved (rows and their optimizer state, both
-ways), how long the trainer waited for the stage's planned batch, and the stage
-threads' CPU time (input dist and planning), which say whether the stage bounds the
-step. Prints one table, writes ``OUT/report.json``. Needs a GPU (``make gpu-check``
-runs it; its runs on an H200 are in ``docs/results.md``).
+A figure is the median step time of --steps steps after --warmup; with --repeats, the
+median over rounds that run every setting in turn. A step's time is the device's,
+between CUDA events recorded on the trainer's stream after consecutive steps: nothing
+waits for the device between steps, as in training, so a pipeline's work on other
+streams and threads overlaps the next step as it would there (``--sync-each-step``
+synchronises the device around each step instead, the measure of the first two leases;
+it charges a step with its launch time and with side work that would overlap). The data
+runs on past the last step timed, so no timed step is one of the window's draining
+steps, which enter no batch. Also reported: the steady steps' times; the peak HBM the
+setting allocated (above what an earlier setting left); for lookahead, per step after
+warm-up, the bytes its cache moved (rows and their optimizer state, both ways), how long
+the trainer waited for the stage's planned batch, and the stage threads' CPU time (input
+dist and planning), which say whether the stage bounds the step. Prints one table,
+writes ``OUT/report.json``. Needs a GPU (``make gpu-check`` runs it; its runs on an H200
+are in ``docs/results.md``).
 """
 
 from __future__ import annotations
@@ -146,16 +151,9 @@ def measure(
     ahead = args.lookahead + 2
     total = args.steps + args.profile_steps + ahead
     batches = iter([criteo_batch(data, s, args.batch_size) for s in range(total)])
-    times = []
     split = Split(pipeline if kind in PLANNED else None)
-    for step in range(args.steps):
-        if step == args.warmup:
-            split.start()
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        pipeline.progress(batches)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+    timed = step_times_synchronised if args.sync_each_step else step_times_by_events
+    times = timed(pipeline, batches, args, split)
     steady = times[args.warmup :]
     result = {
         "setting": kind,
@@ -173,6 +171,39 @@ def measure(
     if isinstance(pipeline, LookaheadTrainPipeline):
         pipeline.close()  # its stage still holds the batches past the last step
     return result
+
+
+def step_times_by_events(
+    pipeline: Any, batches: Iterator[Any], args: argparse.Namespace, split: Split
+) -> list[float]:
+    """Seconds per step, from CUDA events recorded after each step on the trainer's
+    stream; the device is synchronised once, after the last."""
+    marks = [torch.cuda.Event(enable_timing=True)]
+    marks[0].record()
+    for step in range(args.steps):
+        if step == args.warmup:
+            split.start()
+        pipeline.progress(batches)
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+    marks[-1].synchronize()
+    return [before.elapsed_time(after) / 1000 for before, after in zip(marks, marks[1:])]
+
+
+def step_times_synchronised(
+    pipeline: Any, batches: Iterator[Any], args: argparse.Namespace, split: Split
+) -> list[float]:
+    """Seconds per step, the device synchronised before and after each."""
+    times = []
+    for step in range(args.steps):
+        if step == args.warmup:
+            split.start()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        pipeline.progress(batches)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def profile(pipeline: Any, batches: Iterator[Any], steps: int, device: torch.device) -> str:
@@ -269,6 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-fractions", type=float, nargs="+", default=[0.02, 0.05, 0.10])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="rounds over every setting, alternated")
+    p.add_argument(
+        "--sync-each-step",
+        action="store_true",
+        help="synchronise the device around each step (the earlier leases' measure)",
+    )
     p.add_argument(
         "--profile-steps",
         type=int,

@@ -3,7 +3,7 @@
 # GPU there): on a machine without CUDA it says so and fails.
 #
 # Usage: gpu_check.sh [PYTHON] [OUT]. For a lent machine's short lease: GPU_PARTS picks
-# parts (some of: tests bench profile planning workers heavy example ws2; all by default),
+# parts (some of: tests bench sync profile planning workers heavy example ws2; all by default),
 # GPU_BENCH_ARGS adds arguments to benchmarks/gpu.py, GPU_PART_TIMEOUT (seconds) bounds
 # each part. Every part runs even when one before it failed; the last lines are one table
 # of what passed, and the exit status is non-zero if anything failed.
@@ -21,7 +21,7 @@ print('gpu-check:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
       '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)" \
   2>&1 | grep '^gpu-check:' | tee "$out/versions.txt"
 declare -a table=()
-wanted() { [[ " ${GPU_PARTS:-tests bench profile planning workers heavy example ws2} " == *" $1 "* ]]; }
+wanted() { [[ " ${GPU_PARTS:-tests bench sync profile planning workers heavy example ws2} " == *" $1 "* ]]; }
 part() {  # part NAME LOG COMMAND...: runs one part, logs it, records its outcome
   local name=$1 log=$2
   shift 2
@@ -43,6 +43,11 @@ wanted tests && part "cuda tests: the cache (sanitizer)" "$out/tests.txt" \
   env TORCH_CUDA_SANITIZER=1 "${pytest[@]}" -k "not dlrm_example"
 # shellcheck disable=SC2086
 wanted bench && part "benchmarks/gpu.py" "$out/bench.txt" "$py" benchmarks/gpu.py --out "$out" ${GPU_BENCH_ARGS:-}
+# The first two leases' measure (the device synchronised around each step) beside the
+# bench part's (CUDA events, no synchronisation between steps), at one fraction.
+wanted sync && part "benchmarks/gpu.py (synchronised)" "$out/sync.txt" \
+  "$py" benchmarks/gpu.py --out "$out/sync" --settings fused lookahead lookahead-device \
+  --cache-fractions 0.05 --steps 50 --warmup 15 --repeats 2 --sync-each-step
 # Where a step's time goes at gpu.py's shape (5% caches): torch.profiler's table for five
 # steps of fused and of lookahead with either planner, after 40 timed ones.
 wanted profile && part "benchmarks/gpu.py (profile)" "$out/profile.txt" \
