@@ -13,7 +13,6 @@ repeats of the mean over ``--calls`` calls. Prints a table, writes
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine  # noqa: E402
+from common import machine, write_report  # noqa: E402
 
 from torchrec_lookahead.checks import check_batch, check_feature_ids  # noqa: E402
 from torchrec_lookahead.data import SyntheticCriteo  # noqa: E402
@@ -80,10 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in results:
         print(f"{r['check']:>10}{r['batch_size']:>8}{r['ids']:>9}{r['ms']:>22.3f}")
     report = {"machine": machine(), "config": vars(args), "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'report.json'}")
+    write_report(args.out, report)
     return report
 
 

@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SequenceData", "example_flags", "machine", "pinned_rows_needed", "run_example"]
+__all__ = [
+    "SequenceData",
+    "example_flags",
+    "machine",
+    "pinned_rows_needed",
+    "run_example",
+    "write_report",
+]
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "dlrm" / "dlrm_main.py")
 
@@ -58,6 +65,15 @@ def machine() -> dict[str, object]:
         "numpy": np.__version__,
         "platform": platform.platform(),
     }
+
+
+def write_report(out: str | Path, report: dict) -> Path:
+    """``report`` as ``out/report.json`` (the folder made if need be); says where."""
+    path = Path(out) / "report.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    print(f"wrote {path}")
+    return path
 
 
 def pinned_rows_needed(stream: list[np.ndarray], prefetch_distance: int) -> int:

@@ -26,14 +26,12 @@ after --warmup. Prints a table, writes ``OUT/report.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from common import machine
+from common import machine, write_report
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from tqdm import tqdm
@@ -142,10 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"{r['workers']:>9}{r['cpu_ms']:>9.2f}{r['wall_ms']:>9.2f}{r['calls']:>7}"
         )
     report = {"machine": machine(), "config": vars(args), "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'report.json'}")
+    write_report(args.out, report)
     return report
 
 
