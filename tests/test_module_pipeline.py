@@ -22,6 +22,7 @@ from tests.models import (
     train_reference,
 )
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
+from torchrec_lookahead.settings import WindowSettings
 
 DATA = batches(40)
 
@@ -85,6 +86,17 @@ def test_unknown_feature_key_is_refused() -> None:
     )
     with pytest.raises(ValueError, match=r"features \['zz'\] that no embedding module knows"):
         pipeline.progress(iter([odd]))
+
+
+def test_a_batch_whose_lengths_miss_its_values_is_refused_by_the_module_itself() -> None:
+    """Called without the pipeline (whose batch check refuses it first), the module's
+    own planning refuses it before its compiled pass reads past the values."""
+    module = lookahead_model("sgd", cache_load_factor=0.1).unweighted
+    module.open_window(WindowSettings(lookahead=2, prefetch_distance=1))
+    kjt = module.select(DATA[0].sparse_features)
+    short = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[:-1], lengths=kjt.lengths())
+    with pytest.raises(ValueError, match=r"step 0: the lengths add up to \d+ ids but the batch"):
+        module.prepare(short, 0)
 
 
 def test_a_share_smaller_than_the_window_is_raised_once_and_training_stays_exact(caplog) -> None:

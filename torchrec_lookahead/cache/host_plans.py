@@ -61,12 +61,17 @@ class HostPlanning(Planning):
         layout = self.layout
         values = features.values().cpu().numpy()
         lengths = np.asarray(features.length_per_key(), dtype=np.int64)
+        if lengths.sum() != len(values):  # the compiled pass reads what the lengths say
+            raise ValueError(
+                f"step {step}: the lengths add up to {lengths.sum()} ids but the batch has "
+                f"{len(values)} values"
+            )
         ids, bad = pool_ids(values, lengths, layout.feature_rows, layout.feature_offset)
         if bad >= 0:
             keys, rows = features.keys(), layout.feature_rows
             raise feature_id_error(bad, values, lengths, keys, rows, f"step {step}")
         per_pool = [ids[where] for where in positions] if len(layout.pools) > 1 else [ids]
-        return [oracle.prepare_sized(pool_ids) for oracle, pool_ids in zip(oracles, per_pool)]
+        return [oracle.prepare_sized(batch) for oracle, batch in zip(oracles, per_pool)]
 
     def enter(
         self,

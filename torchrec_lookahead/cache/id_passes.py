@@ -1,11 +1,13 @@
 """A batch's ids in its pools' id spaces, and counts per table: compiled, GIL released.
 
-The host planner's per-batch work besides the oracle's own passes. On a GPU
-host the planning thread shares the interpreter with the trainer's thread,
-which launches the step; numpy's many short calls (a ``repeat``, two
-comparisons, an ``any``, an add, a ``searchsorted`` and a ``bincount`` per
-count) each take the GIL. These passes do the same work in one call each,
-without it, and in one sweep over the ids.
+The host planner's per-id work besides the oracle's own passes. On a GPU host
+the planning thread shares the interpreter with the trainer's thread, which
+launches the step; numpy's many short calls (a ``repeat``, comparisons, an
+``any``, an add; a ``searchsorted`` and a ``bincount`` per count) each take the
+GIL. These passes do the same work in one call each, without it, and in one
+sweep over the ids. The range check is :func:`~torchrec_lookahead.checks.check_feature_ids`'s,
+compiled (the device planner and the batch check keep that one); its error is
+made by :func:`~torchrec_lookahead.checks.feature_id_error` either way.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ __all__ = ["pool_ids", "table_counts"]
 @jit
 def pool_ids(values, lengths, rows, offsets):
     """``(ids, bad)``: each id of ``values`` plus its feature's ``offsets`` entry, as
-    int64, features one after another (``lengths`` ids each); ``bad`` is the position
-    of the first id that is negative or not below its feature's ``rows`` entry, else -1
-    (``ids`` is then incomplete)."""
+    int64, features one after another (``lengths`` ids each, adding up to
+    ``len(values)``: not checked here); ``bad`` is -1, or the position of the first
+    id that is negative or not below its feature's ``rows`` entry (``ids`` is then
+    incomplete)."""
     ids = np.empty(len(values), np.int64)
     start = 0
     for f in range(len(lengths)):
@@ -38,9 +41,9 @@ def pool_ids(values, lengths, rows, offsets):
 
 @jit
 def table_counts(ids, offsets):
-    """How many of ``ids`` fall in each range ``offsets[k] .. offsets[k+1]-1``; ids
-    outside every range are not counted. Runs of one range (a batch's ids come
-    feature by feature) cost one comparison an id."""
+    """How many of ``ids`` fall in each range ``offsets[k] .. offsets[k+1]-1``;
+    ``ValueError`` for an id outside every range. Within a run of one range (a
+    batch's ids come feature by feature) an id costs two comparisons."""
     counts = np.zeros(len(offsets) - 1, np.int64)
     lo, hi, k = offsets[0], offsets[0], -1
     for i in range(len(ids)):
@@ -48,8 +51,7 @@ def table_counts(ids, offsets):
         if value < lo or value >= hi:
             k = np.searchsorted(offsets, value, side="right") - 1
             if k < 0 or k >= len(counts):
-                lo, hi = offsets[0], offsets[0]
-                continue
+                raise ValueError("an id outside every table of the pool")
             lo, hi = offsets[k], offsets[k + 1]
         counts[k] += 1
     return counts
