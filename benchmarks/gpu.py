@@ -32,18 +32,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import dlrm_train, machine
+from common import dlrm_train, machine, write_report
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -348,16 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"medians over {args.repeats} round(s)\n{HEADER}")
     for r in results:
         print(line(r))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": machine(),
         "gpu": torch.cuda.get_device_name(device),
         "config": vars(args),
         "results": results,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {out / 'report.json'}")
+    write_report(args.out, report)
     return 0
 
 

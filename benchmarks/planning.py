@@ -29,6 +29,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 from common import machine, write_report
@@ -43,6 +44,7 @@ from torchrec_lookahead.settings import WindowSettings
 
 
 def setting_name(batch_size: int, fraction: float, workers: int) -> str:
+    """A setting as the progress bar shows it."""
     return f"{batch_size} samples, {fraction:.0%} cache, {workers} worker(s)"
 
 
@@ -64,14 +66,15 @@ def run(args: argparse.Namespace, batch_size: int, fraction: float, workers: int
     module.open_window(WindowSettings(args.lookahead, 1, planning_workers=workers))
     batches = [criteo_batch(data, s, batch_size).sparse_features for s in range(args.batches)]
     cpu, wall, calls = [], [], []
+    count = [0]
+
+    def counter(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            count[0] += 1
+
     for step, features in enumerate(batches):
         counted = step >= args.warmup and step % 2  # every other batch: counted, not timed
-        count = [0]
-
-        def counter(frame, event, arg, count=count) -> None:  # noqa: ANN001
-            if event in ("call", "c_call"):
-                count[0] += 1
-
+        count[0] = 0
         if counted:
             sys.setprofile(counter)
         started, started_wall = time.thread_time(), time.perf_counter()
