@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,7 +166,10 @@ def measure(
         **split.per_step_ms(len(steady)),
     }
     if args.profile_steps:
-        result["profile"] = profile(pipeline, batches, args.profile_steps, device)
+        name = kind if fraction is None else f"{kind}_{fraction:g}"
+        trace = Path(args.out) / f"trace_{name}.json.gz"
+        result["profile"] = profile(pipeline, batches, args.profile_steps, device, trace)
+        result["trace"] = trace.name
     if isinstance(pipeline, LookaheadTrainPipeline):
         pipeline.close()  # its stage still holds the batches past the last step
     return result
@@ -204,14 +208,24 @@ def step_times_synchronised(
     return times
 
 
-def profile(pipeline: Any, batches: Iterator[Any], steps: int, device: torch.device) -> str:
+def profile(
+    pipeline: Any, batches: Iterator[Any], steps: int, device: torch.device, trace: Path
+) -> str:
     """Where ``steps`` more steps' time goes, by operator: torch.profiler's table (every
-    thread's CPU ops and the device's kernels), sorted by device time."""
+    thread's CPU ops and the device's kernels), sorted by device time. Its timeline, every stream's
+    kernels beside the host's ops (where a stream waits, and on what), goes to
+    ``trace`` (Chrome's trace format, gzipped: open it in Perfetto)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
+    # Every thread's ops (the stage's, the executor's), and the device's waits on events.
+    config = torch._C._profiler._ExperimentalConfig(
+        profile_all_threads=True, enable_cuda_sync_events=True
+    )
+    with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
         for _ in range(steps):
             pipeline.progress(batches)
         torch.cuda.synchronize(device)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
     return prof.key_averages().table(sort_by="self_device_time_total", row_limit=30)
 
 
@@ -307,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-steps",
         type=int,
         default=0,
-        help="steps profiled after the timed ones (torch.profiler's table in the JSON)",
+        help="steps profiled after the timed ones (torch.profiler's table in the JSON, "
+        "its timeline in OUT/trace_<setting>.json.gz)",
     )
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
