@@ -53,11 +53,11 @@ wanted sync && part "benchmarks/gpu.py (synchronised)" "$out/sync.txt" \
 wanted profile && part "benchmarks/gpu.py (profile)" "$out/profile.txt" \
   "$py" benchmarks/gpu.py --out "$out/profile" --settings fused lookahead lookahead-device \
   --cache-fractions 0.05 --steps 40 --warmup 20 --profile-steps 5
-# The host planner's planning per batch on this host's CPU (no GPU in it), one thread
-# and four: what the trainer waits for when planning is slower than a step.
+# The host planner's planning per batch on this host's CPU (no GPU in it), one thread,
+# two and four: what the trainer waits for when planning is slower than a step.
 wanted planning && part "benchmarks/planning.py" "$out/planning.txt" \
   "$py" benchmarks/planning.py --out "$out/planning" --batch-sizes 8192 32768 \
-  --fractions 0.05 --workers 1 4 --repeats 2
+  --fractions 0.05 --workers 1 2 4 --repeats 2
 # Whether the host planner's planning, split over four threads (numba, nogil), keeps up
 # with the fused step at gpu.py's shape (one thread: about 9-13 ms of CPU a batch there).
 wanted workers && part "benchmarks/gpu.py (4 workers)" "$out/workers.txt" \
