@@ -212,9 +212,10 @@ def profile(
     pipeline: Any, batches: Iterator[Any], steps: int, device: torch.device, trace: Path
 ) -> str:
     """Where ``steps`` more steps' time goes, by operator: torch.profiler's table (every
-    thread's CPU ops and the device's kernels), sorted by device time. Its timeline, every stream's
-    kernels beside the host's ops (where a stream waits, and on what), goes to
-    ``trace`` (Chrome's trace format, gzipped: open it in Perfetto)."""
+    thread's CPU ops and the device's kernels), sorted by device time. Its timeline,
+    every stream's kernels beside the host's ops (where a stream waits, and on what),
+    goes to ``trace`` (Chrome's trace format, gzipped: open it in Perfetto; with
+    --repeats, the last round's)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     # Every thread's ops (the stage's, the executor's), and the device's waits on events.
     config = torch._C._profiler._ExperimentalConfig(
