@@ -61,6 +61,7 @@ from torchrec_lookahead import (
     LookaheadEmbeddingBagCollectionSharder,
     LookaheadTrainPipeline,
 )
+from torchrec_lookahead._compat import every_thread_and_wait
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.data.torchrec_batches import criteo_batch, feature_names
 
@@ -218,9 +219,7 @@ def profile(
     --repeats, the last round's)."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     # Every thread's ops (the stage's, the executor's), and the device's waits on events.
-    config = torch._C._profiler._ExperimentalConfig(
-        profile_all_threads=True, enable_cuda_sync_events=True
-    )
+    config = every_thread_and_wait()
     with torch.profiler.profile(activities=activities, experimental_config=config) as prof:
         for _ in range(steps):
             pipeline.progress(batches)

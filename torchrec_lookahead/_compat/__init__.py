@@ -4,8 +4,9 @@ Every private name, override and patch the project needs is in this package,
 each with why no public API serves, one module per thing it adapts: FBGEMM's TBE
 (``fbgemm``), TorchRec's embedding modules (``modules``), its fused kernels and
 lookups (``kernels``), its sharded collections (``sharded``) and their output
-awaitables (``outputs``), ``torch.distributed`` (``distributed``), and torch's fake
-tensors for checking CUDA code on the CPU (``fake``). The rest of the project uses
+awaitables (``outputs``), ``torch.distributed`` (``distributed``), torch's fake
+tensors for checking CUDA code on the CPU (``fake``), and torch.profiler's settings
+for a benchmark's traces (``profiler``). The rest of the project uses
 public API only, and imports these names from the package itself. Checked on
 torch 2.13 / FBGEMM 1.8 / TorchRec 1.8 (``requirements/cpu.txt``) and on
 torch 2.14.1 / FBGEMM 1.9.0 / TorchRec 1.9.2 (``requirements/compat.txt``,
@@ -61,6 +62,7 @@ from torchrec_lookahead._compat.outputs import (
     CompletedOutput,
     GatheredOutput,
 )
+from torchrec_lookahead._compat.profiler import every_thread_and_wait
 from torchrec_lookahead._compat.sharded import (
     ShardedCollectionBase,
     ShardedSequenceCollectionBase,
@@ -90,6 +92,7 @@ __all__ = [
     "destroy_group",
     "live_groups",
     "embedding_features",
+    "every_thread_and_wait",
     "fake_cuda_tensors",
     "fake_store",
     "feature_rows",
