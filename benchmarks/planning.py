@@ -10,6 +10,8 @@ times --scale, Zipf ids, L = 16, d = 1), and reports per batch:
 
 * CPU ms of the calling thread and wall ms (with ``--workers`` > 1 the partitions'
   threads add CPU the first does not show; the wall time is what a step waits);
+* minor page faults of the process (every thread): a batch-sized buffer allocated
+  afresh faults its pages in, a microsecond or so each;
 * interpreter calls of the calling thread (Python functions and builtins, counted
   with ``sys.setprofile`` on batches between the timed ones): each holds the GIL,
   which the trainer's thread needs to launch its step; the compiled passes run
@@ -26,6 +28,7 @@ after --warmup. Prints a table, writes ``OUT/report.json``.
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace, batch_size: int, fraction: float, workers: int
     )
     module.open_window(WindowSettings(args.lookahead, 1, planning_workers=workers))
     batches = [criteo_batch(data, s, batch_size).sparse_features for s in range(args.batches)]
-    cpu, wall, calls = [], [], []
+    cpu, wall, calls, faults = [], [], [], []
     count = [0]
 
     def counter(frame: Any, event: str, arg: Any) -> None:
@@ -78,19 +81,23 @@ def run(args: argparse.Namespace, batch_size: int, fraction: float, workers: int
         if counted:
             sys.setprofile(counter)
         started, started_wall = time.thread_time(), time.perf_counter()
+        started_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         module.enter(module.prepare(features, step))
         spent, spent_wall = time.thread_time() - started, time.perf_counter() - started_wall
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - started_faults
         sys.setprofile(None)
         if counted:
             calls.append(count[0])
         elif step >= args.warmup:
             cpu.append(spent)
             wall.append(spent_wall)
+            faults.append(faulted)
     return {
         "ids_per_batch": int(batches[0].values().numel()),
         "cpu_ms": 1000 * statistics.median(cpu),
         "wall_ms": 1000 * statistics.median(wall),
         "calls": int(statistics.median(calls)),
+        "faults": statistics.median(faults),
     }
 
 
@@ -129,18 +136,21 @@ def main(argv: list[str] | None = None) -> dict:
             "cpu_ms": statistics.median(r["cpu_ms"] for r in runs[(b, f, w)]),
             "wall_ms": statistics.median(r["wall_ms"] for r in runs[(b, f, w)]),
             "calls": int(statistics.median(r["calls"] for r in runs[(b, f, w)])),
+            "faults": statistics.median(r["faults"] for r in runs[(b, f, w)]),
             "cpu_ms_runs": [r["cpu_ms"] for r in runs[(b, f, w)]],
             "wall_ms_runs": [r["wall_ms"] for r in runs[(b, f, w)]],
         }
         for b, f, w in settings
     ]
     print(
-        f"{'batch':>7}{'ids':>9}{'cache':>7}{'workers':>9}{'CPU ms':>9}{'wall ms':>9}{'calls':>7}"
+        f"{'batch':>7}{'ids':>9}{'cache':>7}{'workers':>9}{'CPU ms':>9}{'wall ms':>9}"
+        f"{'calls':>7}{'faults':>8}"
     )
     for r in results:
         print(
             f"{r['batch_size']:>7}{r['ids_per_batch']:>9}{r['cache_fraction']:>7.0%}"
             f"{r['workers']:>9}{r['cpu_ms']:>9.2f}{r['wall_ms']:>9.2f}{r['calls']:>7}"
+            f"{r['faults']:>8.0f}"
         )
     report = {"machine": machine(), "config": vars(args), "results": results}
     write_report(args.out, report)

@@ -609,5 +609,6 @@ def test_planning_report_times_the_host_planner_and_counts_its_calls(tmp_path: P
     rows = json.loads((tmp_path / "report.json").read_text())["results"]
     assert [(r["batch_size"], r["ids_per_batch"]) for r in rows] == [(64, 64 * 26), (256, 256 * 26)]
     assert all(r["cpu_ms"] > 0 and r["wall_ms"] > 0 and len(r["cpu_ms_runs"]) == 3 for r in rows)
+    assert all(isinstance(r["faults"], (int, float)) and r["faults"] >= 0 for r in rows)
     # A batch's interpreter work (its calls hold the GIL) does not grow with its ids.
     assert rows[0]["calls"] == rows[1]["calls"] > 0

@@ -228,6 +228,7 @@ class OracleCacher(CachePlanner[PreparedBatch]):
         self._steps_pushed = 0
         self._next_plan = 0  # step of the next plan to emit
         self._pinned_rows = 0  # distinct ids of the newest d+1 batches
+        self._scratch = np.empty((4, 0), dtype=np.int64)  # a hash share's buffers
 
     # ------------------------------------------------------------------ API
 
@@ -281,9 +282,13 @@ class OracleCacher(CachePlanner[PreparedBatch]):
         if parts == 1:
             id_limit = self.num_rows
 
+        if parts > 1 and self._scratch.shape[1] < len(ids):
+            self._scratch = np.empty((4, len(ids) + len(ids) // 4), dtype=np.int64)
+
         def run() -> tuple:
             limit = -1 if id_limit is None else id_limit
-            return prepare_batch(ids, self._state.rows, self._head, starts, parts, part, limit)
+            rows, head, scratch = self._state.rows, self._head, self._scratch
+            return prepare_batch(ids, rows, head, starts, parts, part, limit, scratch)
 
         found, unique, prev, mult, inverse, gaps, taken = run()
         if found < 0:  # an id outside the tables: bad, or (table size unknown) the tables grow

@@ -79,11 +79,14 @@ HELPERS_DIGEST = "64ec837a4a78d47f"
 
 
 @jit
-def prepare_batch(ids, rows, head, starts, parts, part, limit):
+def prepare_batch(ids, rows, head, starts, parts, part, limit, scratch):
     """Distinct ids of a batch (or of its share) and what the window needs of them.
 
     Changes nothing. With ``parts > 1`` only the ids of hash partition
-    ``part`` are taken, as local rows (see :func:`split_of`). ``head`` is the
+    ``part`` are taken, as local rows (see :func:`split_of`), through
+    ``scratch``: four int64 rows at least as long as the batch, the caller's
+    to keep from batch to batch (fresh batch-sized buffers fault their pages
+    in, on a planning thread at every batch). ``head`` is the
     position the first distinct id will take in the stream of distinct ids;
     ``starts[j-1]`` is where step ``step-j`` starts (``j = 1..d``, 0 for
     steps before the stream). Returns ``(n, unique, prev, mult, inverse,
@@ -97,21 +100,24 @@ def prepare_batch(ids, rows, head, starts, parts, part, limit):
     taken = np.empty(0, np.int64)
     local = ids
     outside = False
-    if parts > 1:  # this partition's ids, as local rows: a branch-free pass
-        taken = np.empty(len(ids), np.int64)
-        local = np.empty(len(ids), np.int64)
+    if parts > 1:  # this partition's ids, as local rows
+        # Two branch-free loops: every id's block and partition (independent per id,
+        # so the hash pipelines), then this partition's ids picked. One loop doing
+        # both was several times slower: each pick waited on its id's hash.
+        blocks, owner, picked, local = scratch[0], scratch[1], scratch[2], scratch[3]
         inv = 1.0 / parts
-        used = 0
         for i in range(len(ids)):
             row = ids[i]
-            if row < 0 or (limit >= 0 and row >= limit):
-                outside = True
-                break
+            outside |= row < 0 or (limit >= 0 and row >= limit)
             block = block_of(row, parts, inv)
-            taken[used] = i
-            local[used] = block
-            used += partition_of(row, block, parts) == part
-        taken, local = taken[:used].copy(), local[:used]
+            blocks[i] = block
+            owner[i] = partition_of(row, block, parts)
+        used = 0
+        for i in range(len(ids) if not outside else 0):
+            picked[used] = i
+            local[used] = blocks[i]
+            used += owner[i] == part
+        taken, local = picked[:used].copy(), local[:used]
     n = len(local)
     unique = np.empty(n, np.int64)
     prev = np.empty(n, np.int64)
