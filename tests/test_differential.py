@@ -89,11 +89,41 @@ FOUND = [
         events=(),
         stage_thread=False,
     ),
+    # Three hash partitions of a 5-row table: a window of all 5 rows needs 6 slots (each
+    # partition's share must hold the 2 rows one of them owns), and the cache was refused
+    # at all its rows, where plain TorchRec trains.
+    Config(
+        seed=5,
+        index=10,
+        world_size=1,
+        tables=(T("t0", 5, 16, ("f0",), "table_row_wise", "sgd", 0.3, False),),
+        pooling="sum",
+        weighted=False,
+        batch=8,
+        steps=30,
+        cache_load_factor=0.17262054878034885,
+        lookahead=4,
+        prefetch_distance=0,
+        hot="budget",
+        dedup=False,
+        disk_store=False,
+        schedule="random",
+        events=((22, "reattach"),),
+        stage_thread=True,
+        planning_workers=3,
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "config", FOUND, ids=["hot-rows-cache-floor", "resume-at-4-ranks", "dedup-row-wise-one-rank"]
+    "config",
+    FOUND,
+    ids=[
+        "hot-rows-cache-floor",
+        "resume-at-4-ranks",
+        "dedup-row-wise-one-rank",
+        "partitions-of-a-tiny-table",
+    ],
 )
 def test_configurations_the_harness_found_diverging_now_agree(config: Config) -> None:
     result = _run_group(config.world_size, [config])[config.index]

@@ -193,3 +193,24 @@ def test_a_partitioned_oracle_grown_mid_stream_meets_the_contract(
     )
     plans, capacities = plan_growing(oracle, batches)
     replay_per_partition(batches, plans, oracle.flush(), oracle, d, capacities)
+
+
+@pytest.mark.parametrize("rows, partitions", [(5, 3), (7, 2), (16, 4), (1, 3), (10, 4)])
+def test_slots_for_every_row_hold_any_window(rows, partitions) -> None:
+    """Every row in every batch: ``slots_for_every_row(rows)`` slots (``K * ceil(rows /
+    K)``, a few more than the rows where a partition owns more than its share) plan it."""
+    batches = [np.arange(rows)] * 4
+    assert OracleCacher(1, 1, 0, rows).slots_for_every_row(rows) == rows
+    probe = PartitionedOracle(partitions, 1, 0, num_rows=rows, partitions=partitions)
+    slots = probe.slots_for_every_row(rows)
+    assert slots == partitions * -(-rows // partitions) and rows <= slots < rows + partitions
+    oracle = PartitionedOracle(slots, 1, 0, num_rows=rows, partitions=partitions)
+    assert [len(p.slots) for p in oracle.plan(batches)] == [rows] * 4
+
+
+def test_a_partitioned_cache_of_all_the_rows_can_be_too_small() -> None:
+    """Why: 5 rows in 3 partitions own 2, 2 and 1 rows (or another order), and 5 slots
+    give shares of 2, 2 and 1, so a share may be one short."""
+    batches = [np.arange(5)] * 2
+    with pytest.raises(ValueError, match="a capacity of at least 6 is needed"):
+        list(PartitionedOracle(5, 1, 0, num_rows=5, partitions=3).plan(batches))

@@ -457,6 +457,7 @@ class _Run:
             prefetch_distance=self.config.prefetch_distance,
             stage_thread=self.config.stage_thread,
             planner=self.config.planner,
+            planning_workers=self.config.planning_workers,
         )
 
     def step(self) -> torch.Tensor:

@@ -66,6 +66,8 @@ class Config:
     stage_thread: bool
     # Where plans are made (WindowSettings.planner): "device" plans on CPU tensors.
     planner: str = "host"
+    # The host planner's hash partitions per pool, each planned on a thread of its own.
+    planning_workers: int = 1
     # The caches start at the load factor, with no floor for the widest window, and the
     # first third of the steps' batches are a quarter the size: the caches grow mid-run.
     grow: bool = False
@@ -111,6 +113,7 @@ class Config:
             f"lr={self.schedule}" if self.schedule != "none" else "",
             "inline" if not self.stage_thread else "",
             "planner=device" if self.planner == "device" else "",
+            f"workers={self.planning_workers}" if self.planning_workers > 1 else "",
             "grow" if self.grow else "",
             " ".join(f"{e}@{s}" for s, e in self.events),
         ]
@@ -136,10 +139,16 @@ def draw(seed: int, index: int, hot_rows: bool = False) -> Config:
 
 def _with_planner(config: Config) -> Config:
     """``config`` planned on the device (its oracle on CPU tensors) a third of the time,
-    unless its tables are in a disk store (which reads ahead from the host's plans). From
-    a generator of its own, so that the rest of the draw is as it was."""
+    unless its tables are in a disk store (which reads ahead from the host's plans);
+    planned on the host in 2 or 3 hash partitions a quarter of the rest. From generators
+    of their own, so that the rest of the draw is as it was."""
     on_device = np.random.default_rng([config.seed, config.index, 45]).random() < 1 / 3
-    return replace(config, planner="device") if on_device and not config.disk_store else config
+    if on_device and not config.disk_store:
+        return replace(config, planner="device")
+    rng = np.random.default_rng([config.seed, config.index, 46])
+    if rng.random() < 1 / 4:
+        return replace(config, planning_workers=int(rng.integers(2, 4)))
+    return config
 
 
 def _draw_bags(seed: int, index: int, hot_rows: bool) -> Config:

@@ -220,6 +220,7 @@ class CacheGroup:
             [n for _, n in sized],
             step,
             self._window.prefetch_distance,
+            [o.slots_for_every_row(pool.num_rows) for o, pool in zip(oracles, self.pools)],
         )
         return PreparedGroup(self, step, lookups, batches, order, sizing, growth)
 

@@ -71,7 +71,12 @@ class TableSlots:
         ]
 
     def growth(
-        self, slots: list[int], needed: list[int], step: int, d: int
+        self,
+        slots: list[int],
+        needed: list[int],
+        step: int,
+        d: int,
+        every_row: Sequence[int] | None = None,
     ) -> list[tuple[int, int]] | None:
         """Each pool's slots to grow to, and what its window needs, if a window needs
         more than ``slots``; ``ValueError`` before anything changes if over a pool's cap.
@@ -79,13 +84,19 @@ class TableSlots:
         A pool grows to ``GROWTH`` times its slots, or to what is needed if more,
         within its cap: geometric growth, so a stream whose windows keep widening
         rebuilds the cache a few times (each rebuild copies the cache and waits for
-        the moves in flight), not once per new maximum.
+        the moves in flight), not once per new maximum. A pool no table of which is
+        capped below its rows may grow to ``every_row[p]`` (its planner's
+        ``slots_for_every_row``: a few more than its rows where the planner splits
+        its slots into shares; by default its rows).
         """
         if all(n <= have for n, have in zip(needed, slots)):
             return None
         growth = []
         for p, (have, n) in enumerate(zip(slots, needed)):
-            cap = sum(self.caps[t] for t in self.pools[p].tables)
+            tables = self.pools[p].tables
+            cap = sum(self.caps[t] for t in tables)
+            if every_row is not None and cap == sum(self.num_rows[t] for t in tables):
+                cap = max(cap, every_row[p])
             if n > cap:
                 raise self._over_cap(p, n, cap, step, d)
             growth.append((have if n <= have else min(cap, max(n, math.ceil(GROWTH * have))), n))
@@ -105,12 +116,7 @@ class TableSlots:
     def _over_cap(self, pool: int, needed: int, cap: int, step: int, d: int) -> ValueError:
         tables = [self.names[t] for t in self.pools[pool].tables]
         capped = any(self.caps[t] < self.num_rows[t] for t in self.pools[pool].tables)
-        why = (
-            "max_cache_rows"
-            if capped
-            else "all its rows; with planning_workers > 1 each hash partition needs "
-            "its own share of them: plan with fewer workers"
-        )
+        why = "max_cache_rows" if capped else "all its rows"
         return ValueError(
             f"step {step}: steps {max(step - d, 0)}..{step} use {needed} distinct rows of "
             f"tables {tables}, which must be resident together (prefetch_distance={d}), "

@@ -89,6 +89,11 @@ class CachePlanner(ABC, Generic[PreparedT]):
         that cannot grow refuses as ``prepare`` does (and then needs no more: 0)."""
         return self.prepare(batch), 0
 
+    def slots_for_every_row(self, rows: int) -> int:
+        """Slots that hold any window over a table of ``rows`` rows: ``rows`` (no window
+        touches more), or more where the planner splits its slots into shares."""
+        return rows
+
     def grow(self, capacity: int) -> None:
         """Have ``capacity`` slots from now on, the resident rows kept in their slots."""
         raise ValueError(f"{type(self).__name__} cannot grow to {capacity} slots")
