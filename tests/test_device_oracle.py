@@ -218,6 +218,17 @@ def test_on_fake_cuda_a_stream_is_planned_alike_with_no_host_wait() -> None:
         assert np.array_equal(a.slots, b.slots) and np.array_equal(a.fetch_ids, b.fetch_ids)
 
 
+def test_an_oracle_on_cuda_takes_batches_made_on_cuda() -> None:
+    """``device="cuda"`` names the current device: batches made with ``.to("cuda")`` (on
+    ``cuda:0``) enter, and the oracle says where it plans as they say where they are."""
+    with FakeCuda():
+        oracle = DeviceOracleCacher(8, 1, 1, 100, "cuda")
+        assert oracle.device == torch.device("cuda:0")
+        for batch in ([1, 2], [2, 3], [4, 5]):
+            oracle.push_device(torch.tensor(batch).to("cuda"))
+        assert len(oracle.finish_device()) == 1
+
+
 def test_the_sync_free_path_flags_bad_ids_and_a_broken_capacity() -> None:
     oracle = DeviceOracleCacher(capacity=3, lookahead=1, prefetch_distance=0, num_rows=10)
     oracle.push_device(torch.tensor([1, 2]))

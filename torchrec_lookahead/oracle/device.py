@@ -196,7 +196,9 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self.prefetch_distance = prefetch_distance
         self.num_rows = num_rows
         self.tie_break = tie_break
-        self.device = torch.device(device)
+        # "cuda" as the tensors made on it say it ("cuda:0", the current device), so that
+        # push_device takes them.
+        self.device = torch.empty(0, device=device).device
 
         self._frequency = tie_break == "frequency"
         self._rows = 0  # table rows with state
