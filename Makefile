@@ -73,6 +73,7 @@ bench: install
 	$(PY) benchmarks/oracle.py --out results/oracle-large --scale 0.5 --steps 400
 	$(PY) benchmarks/host_link.py --out results/host_link
 	$(PY) benchmarks/planning.py --out results/planning
+	$(PY) benchmarks/gil.py --out results/gil
 	$(PY) benchmarks/step_time.py --out results/step_time
 	$(PY) benchmarks/step_time.py --out results/step_time_large --scale 0.1 --cache-load-factor 0.02
 	$(PY) benchmarks/step_time.py --out results/step_time_ws1 --world-size 1

@@ -38,6 +38,7 @@ import torch
 from common import machine, write_report
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tqdm import tqdm
 
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
@@ -51,8 +52,11 @@ def setting_name(batch_size: int, fraction: float, workers: int) -> str:
     return f"{batch_size} samples, {fraction:.0%} cache, {workers} worker(s)"
 
 
-def run(args: argparse.Namespace, batch_size: int, fraction: float, workers: int) -> dict:
-    """Plan --batches batches once; per-batch CPU and wall seconds, and calls counted."""
+def planned_module(
+    args: argparse.Namespace, batch_size: int, fraction: float, workers: int
+) -> tuple[LookaheadEmbeddingBagCollection, list[KeyedJaggedTensor]]:
+    """An unsharded module at the shape of ``args`` (--scale, --zipf, --seed, --dim,
+    --lookahead), its window open, and --batches batches of ``batch_size`` samples."""
     data = SyntheticCriteo(scale=args.scale, zipf_exponent=args.zipf, seed=args.seed)
     tables = [
         EmbeddingBagConfig(
@@ -68,6 +72,12 @@ def run(args: argparse.Namespace, batch_size: int, fraction: float, workers: int
     )
     module.open_window(WindowSettings(args.lookahead, 1, planning_workers=workers))
     batches = [criteo_batch(data, s, batch_size).sparse_features for s in range(args.batches)]
+    return module, batches
+
+
+def run(args: argparse.Namespace, batch_size: int, fraction: float, workers: int) -> dict:
+    """Plan --batches batches once; per-batch CPU and wall seconds, and calls counted."""
+    module, batches = planned_module(args, batch_size, fraction, workers)
     cpu, wall, calls, faults = [], [], [], []
     count = [0]
 

@@ -10,8 +10,8 @@
 # lease of 2026-11-28 (an H200, 900 s of device time): the first call held the machine
 # 40 s, the second 6 s; the third installed in 3 s and ran GPU_PARTS="tests bench" in
 # 265 s (bench: --steps 50 --repeats 2); "heavy example" took 297 s. So a lease's plan:
-# the pieces, then GPU_PARTS="bench sync profile" (about 170 s), GPU_PARTS="planning
-# workers heavy" (about 180 s), and, if time is left, GPU_PARTS="tests example" (about
+# the pieces, then GPU_PARTS="bench sync profile" (about 170 s), GPU_PARTS="planning gil
+# workers heavy" (about 200 s), and, if time is left, GPU_PARTS="tests example" (about
 # 300 s).
 set -uo pipefail
 out=${OUT:-results/device}

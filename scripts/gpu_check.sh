@@ -3,7 +3,8 @@
 # GPU there): on a machine without CUDA it says so and fails.
 #
 # Usage: gpu_check.sh [PYTHON] [OUT]. For a lent machine's short lease: GPU_PARTS picks
-# parts (some of: tests bench sync profile planning workers heavy example ws2; all by default),
+# parts (some of: tests bench sync profile planning gil workers heavy example ws2; all by
+# default),
 # GPU_BENCH_ARGS adds arguments to benchmarks/gpu.py, GPU_PART_TIMEOUT (seconds) bounds
 # each part. Every part runs even when one before it failed; the last lines are one table
 # of what passed, and the exit status is non-zero if anything failed.
@@ -21,7 +22,7 @@ print('gpu-check:', torch.cuda.get_device_name(0), '| torch', torch.__version__,
       '| fbgemm_gpu', fbgemm_gpu.__version__, '| torchrec', torchrec.__version__)" \
   2>&1 | grep '^gpu-check:' | tee "$out/versions.txt"
 declare -a table=()
-wanted() { [[ " ${GPU_PARTS:-tests bench sync profile planning workers heavy example ws2} " == *" $1 "* ]]; }
+wanted() { [[ " ${GPU_PARTS:-tests bench sync profile planning gil workers heavy example ws2} " == *" $1 "* ]]; }
 part() {  # part NAME LOG COMMAND...: runs one part, logs it, records its outcome
   local name=$1 log=$2
   shift 2
@@ -58,6 +59,10 @@ wanted profile && part "benchmarks/gpu.py (profile)" "$out/profile.txt" \
 wanted planning && part "benchmarks/planning.py" "$out/planning.txt" \
   "$py" benchmarks/planning.py --out "$out/planning" --batch-sizes 8192 32768 \
   --fractions 0.05 --workers 1 2 4 --repeats 2
+# What each planner's thread costs the trainer's launches through the GIL, with the
+# trainer's ops and the device oracle on the GPU (a real batch's ids: 8,192 samples).
+wanted gil && part "benchmarks/gil.py" "$out/gil.txt" \
+  "$py" benchmarks/gil.py --out "$out/gil" --device cuda --device-ids 212992
 # Whether the host planner's planning, split over four threads (numba, nogil), keeps up
 # with the fused step at gpu.py's shape (one thread: about 9-13 ms of CPU a batch there).
 wanted workers && part "benchmarks/gpu.py (4 workers)" "$out/workers.txt" \

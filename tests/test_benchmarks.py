@@ -612,3 +612,35 @@ def test_planning_report_times_the_host_planner_and_counts_its_calls(tmp_path: P
     assert all(isinstance(r["faults"], (int, float)) and r["faults"] >= 0 for r in rows)
     # A batch's interpreter work (its calls hold the GIL) does not grow with its ids.
     assert rows[0]["calls"] == rows[1]["calls"] > 0
+
+
+def test_gil_report_times_the_trainers_launches_beside_each_planner(tmp_path: Path) -> None:
+    flags = ["--steps", "30", "--warmup", "5", "--batch-size", "64", "--scale", "0.002"]
+    out = benchmark("gil", tmp_path, *flags, "--repeats", "2")
+    assert "launch ms" in out
+    rows = {r["setting"]: r for r in json.loads((tmp_path / "report.json").read_text())["results"]}
+    assert list(rows) == ["alone", "host", "device"]
+    assert all(r["launch_ms"] > 0 and len(r["launch_ms_runs"]) == 2 for r in rows.values())
+    # The planners planned beside the trainer; alone, nothing did.
+    assert rows["alone"]["planned_per_s"] == 0
+    assert rows["host"]["planned_per_s"] > 0 and rows["device"]["planned_per_s"] > 0
+
+
+def test_gil_on_fake_cuda_plans_on_the_device_and_waits_for_it(tmp_path, monkeypatch) -> None:
+    """``--device cuda``: the trainer's ops and the device oracle on (fake) CUDA, the
+    planner's launches waited for before its rate is read."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gil
+    import torch
+
+    from torchrec_lookahead.testing.fake_cuda import FakeCuda
+
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synchronized.append(a))
+    flags = ["--steps", "6", "--warmup", "1", "--repeats", "1", "--device-ms", "1"]
+    flags += ["--device", "cuda", "--device-ids", "64"]
+    with FakeCuda():
+        report = gil.main(["--out", str(tmp_path), *flags])
+    rows = {r["setting"]: r for r in report["results"]}
+    assert report["config"]["device"] == "cuda" and len(synchronized) == 3
+    assert rows["device"]["planned_per_s"] > 0 and rows["alone"]["planned_per_s"] == 0
