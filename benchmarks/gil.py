@@ -7,7 +7,9 @@ op: the host planner seldom (its passes are numba, without the GIL), the device
 planner for each of its ~200 ops a batch. Where both want the GIL, the trainer's
 launches wait. This times a stand-in trainer: --steps steps, each --ops small torch
 ops (its launches) and then --device-ms of sleep (its wait for the device, the GIL
-released), alone and beside a planning thread that plans as fast as it can:
+released), alone and beside a planning thread that plans one batch as each step
+starts (as the lookahead stage does once its queue is full: it plans a batch when the
+trainer takes one):
 
 * ``host``: the host planner, an unsharded module's ``prepare`` and ``enter`` at
   ``planning.py``'s shape (--batch-size samples, --fraction cache);
@@ -18,7 +20,10 @@ released), alone and beside a planning thread that plans as fast as it can:
   (8,192 samples of 26 features: 212,992).
 
 Per setting: the trainer's launch ms per step (median and 90th percentile over the
-steps after --warmup) and the batches the planner planned per second. Each repeat runs
+steps after --warmup), the same net of the time its thread waited for a core (Linux's
+``schedstat``: run-queue wait; what is left is its own work and its waits for the
+GIL; on a 2-core VM a woken planner often lands on the trainer's core), and the
+planner's wall ms per batch (median). Each repeat runs
 every setting in turn; a figure is the median over repeats. Prints a table, writes
 ``OUT/report.json``. A stand-in trainer: it shows the GIL's share, not a step time.
 
@@ -70,49 +75,66 @@ def device_planner(args: argparse.Namespace) -> Callable[[int], None]:
     return plan
 
 
-def trainer(args: argparse.Namespace) -> list[float]:
-    """Each step's launch seconds: --ops small ops, then --device-ms without the GIL."""
+def queued_seconds() -> float:
+    """Seconds this thread has waited on a run queue for a core (0 where Linux's
+    ``schedstat`` is missing)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
+
+
+def trainer(
+    args: argparse.Namespace, step_started: threading.Semaphore
+) -> tuple[list[float], list[float]]:
+    """Each step's launch seconds (--ops small ops, then --device-ms without the GIL), and
+    the same net of the thread's run-queue wait."""
     x = torch.zeros(16, device=args.device)
-    launches = []
+    launches, net = [], []
     for _ in range(args.steps):
-        started = time.perf_counter()
+        step_started.release()
+        queued, started = queued_seconds(), time.perf_counter()
         for _ in range(args.ops):
             x = x + 1
         launches.append(time.perf_counter() - started)
+        net.append(launches[-1] - (queued_seconds() - queued))
         time.sleep(args.device_ms / 1000)
-    return launches[args.warmup :]
+    return launches[args.warmup :], net[args.warmup :]
 
 
 def run(args: argparse.Namespace, setting: str) -> dict:
-    """The trainer's steps beside ``setting``'s planner, planning until the trainer ends."""
-    planned, stop = [0], threading.Event()
+    """The trainer's steps beside ``setting``'s planner, one batch planned a step."""
+    planning, stop, step_started = [], threading.Event(), threading.Semaphore(0)
     planner = {"host": host_planner, "device": device_planner}.get(setting)
     thread = None
     if planner is not None:
         plan = planner(args)
         plan(0)  # the first batch sizes the cache and loads the kernels
 
-        def keep_planning() -> None:
+        def plan_as_steps_start() -> None:
             while not stop.is_set():
-                planned[0] += 1
-                plan(planned[0])
+                if step_started.acquire(timeout=0.05):
+                    started = time.perf_counter()
+                    plan(len(planning) + 1)
+                    if args.device.type == "cuda":
+                        torch.cuda.synchronize()  # the batch planned, not only launched
+                    planning.append(time.perf_counter() - started)
 
-        thread = threading.Thread(target=keep_planning, name="planning")
+        thread = threading.Thread(target=plan_as_steps_start, name="planning")
         thread.start()
-    started = time.perf_counter()
     try:
-        launches = trainer(args)
+        launches, net = trainer(args, step_started)
     finally:
         stop.set()
         if thread is not None:
             thread.join()
-    if args.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
     return {
         "launch_ms": 1000 * statistics.median(launches),
         "launch_p90_ms": 1000 * float(np.percentile(launches, 90)),
-        "planned_per_s": planned[0] / seconds,
+        "net_ms": 1000 * statistics.median(net),
+        "net_p90_ms": 1000 * float(np.percentile(net, 90)),
+        "plan_ms": 1000 * statistics.median(planning) if planning else 0.0,
     }
 
 
@@ -154,11 +176,11 @@ def main(argv: list[str] | None = None) -> dict:
         }
         for s in args.settings
     ]
-    print(f"{'planner':>8}{'launch ms':>11}{'p90 ms':>9}{'planned/s':>11}")
+    print(f"{'planner':>8}{'launch ms':>11}{'p90':>8}{'net ms':>9}{'p90':>8}{'plan ms':>9}")
     for r in results:
         print(
-            f"{r['setting']:>8}{r['launch_ms']:>11.3f}{r['launch_p90_ms']:>9.3f}"
-            f"{r['planned_per_s']:>11.1f}"
+            f"{r['setting']:>8}{r['launch_ms']:>11.3f}{r['launch_p90_ms']:>8.3f}"
+            f"{r['net_ms']:>9.3f}{r['net_p90_ms']:>8.3f}{r['plan_ms']:>9.3f}"
         )
     config = {**vars(args), "device": str(args.device)}
     report = {"machine": machine(), "config": config, "results": results}

@@ -621,9 +621,11 @@ def test_gil_report_times_the_trainers_launches_beside_each_planner(tmp_path: Pa
     rows = {r["setting"]: r for r in json.loads((tmp_path / "report.json").read_text())["results"]}
     assert list(rows) == ["alone", "host", "device"]
     assert all(r["launch_ms"] > 0 and len(r["launch_ms_runs"]) == 2 for r in rows.values())
+    # Net of a step's wait for a core, which no step's launch time is below.
+    assert all(0 < r["net_ms"] <= r["launch_ms"] for r in rows.values())
     # The planners planned beside the trainer; alone, nothing did.
-    assert rows["alone"]["planned_per_s"] == 0
-    assert rows["host"]["planned_per_s"] > 0 and rows["device"]["planned_per_s"] > 0
+    assert rows["alone"]["plan_ms"] == 0
+    assert rows["host"]["plan_ms"] > 0 and rows["device"]["plan_ms"] > 0
 
 
 def test_gil_on_fake_cuda_plans_on_the_device_and_waits_for_it(tmp_path, monkeypatch) -> None:
@@ -642,5 +644,6 @@ def test_gil_on_fake_cuda_plans_on_the_device_and_waits_for_it(tmp_path, monkeyp
     with FakeCuda():
         report = gil.main(["--out", str(tmp_path), *flags])
     rows = {r["setting"]: r for r in report["results"]}
-    assert report["config"]["device"] == "cuda" and len(synchronized) == 3
-    assert rows["device"]["planned_per_s"] > 0 and rows["alone"]["planned_per_s"] == 0
+    # The planning thread waits for each batch it planned, beside either planner.
+    assert report["config"]["device"] == "cuda" and len(synchronized) >= 2
+    assert rows["device"]["plan_ms"] > 0 and rows["alone"]["plan_ms"] == 0
