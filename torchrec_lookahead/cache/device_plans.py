@@ -199,9 +199,9 @@ def _device(oracle: CachePlanner[Any]) -> DeviceOracleCacher:
 
 
 def _bucket_counts(distinct: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
-    """How many of ``distinct`` (padded with -1) fall in each table of a pool whose tables
-    start at ``edges`` (all but the first): a static shape, no sync."""
-    table = torch.bucketize(distinct, edges, right=True) + 1  # 1 + the table's place
-    table = torch.where(distinct >= 0, table, 0)  # padding to the dump entry
-    counts = torch.zeros(len(edges) + 2, dtype=torch.int64, device=distinct.device)
-    return counts.index_add_(0, table, torch.ones_like(table))[1:]
+    """How many of ``distinct`` (ascending, padded with -1 at the end) fall in each table of
+    a pool whose tables start at ``edges`` (all but the first): a static shape, no sync,
+    and no atomic adds (which would pile onto one dump entry for the padding)."""
+    ids = torch.where(distinct >= 0, distinct, torch.iinfo(torch.int64).max)  # ascending
+    ends = torch.cat([torch.searchsorted(ids, edges), (distinct >= 0).sum().view(1)])
+    return ends.diff(prepend=ends.new_zeros(1))

@@ -18,9 +18,13 @@ are pointer chasing, one row at a time; a device wants whole-array passes):
 * The window is a ring of ``max(L, d) + 1`` rows of padded distinct ids (and
   their multiplicities, and the batch's ids themselves), one row per step, at the
   row a device step counter names.
-* Next use by one ``scatter_reduce(amin)``: every ring entry of a step after
-  ``s`` sends its step to the slot its row is resident in (others go to a dump
-  entry), so each slot learns its row's next use in the window.
+* Next use by chaining, as the numba oracle does: each row remembers its latest
+  occurrence (its step and place in the ring). When a batch enters, an earlier
+  occurrence in a step not yet planned learns, in the ring, that this step is its
+  next use; one in a planned step belongs to a row whose slot (if resident) has
+  no next use yet, and the slot learns it. Planning a step hands each of its
+  rows' slots the next use its ring entry holds. So a step costs two scatters
+  over the batch's distinct ids, not a pass over the whole ring.
 * Victims by stable sorts over the slots, least significant key first: row id,
   last use, uses so far (frequency tie-break only), then a small exact key
   that puts free slots first, then candidates with no use in the window, then
@@ -168,12 +172,12 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
     path (which reads the largest id back). The sync-free path checks ids
     against the table size known so far, so pass ``num_rows`` for it.
 
-    Memory: 16 bytes per table row (its slot and its uses, int64; 8 bytes with
-    ``tie_break="recency"``, which needs no uses), 16 per cache slot (its row
-    and last use) plus ``O(capacity)`` temporaries per step, and a ring of
-    ``max(L, d) + 1`` steps of 24 bytes per entry (a distinct id, its count,
-    an id of the batch), as wide as the longest batch so far (rounded up to a
-    power of two).
+    Memory: 24 bytes per table row (its slot, its latest occurrence and its uses,
+    int64; 16 bytes with ``tie_break="recency"``, which needs no uses), 24 per cache
+    slot (its row, last use and next use) plus ``O(capacity)`` temporaries per step,
+    and a ring of ``max(L, d) + 1`` steps of 32 bytes per entry (a distinct id, its
+    count, its next use, an id of the batch), as wide as the longest batch so far
+    (rounded up to a power of two).
     """
 
     def __init__(
@@ -206,13 +210,19 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self._row_uses = self._full(1, 0) if self._frequency else None  # occurrences planned
         self._slot_row = self._full(1 + capacity, -1)  # [1 + C]: row in each slot, -1: free
         self._slot_last = self._full(1 + capacity, -1)  # last planned use of each slot's row
+        self._slot_next = self._full(1 + capacity, _NEVER)  # its next use after that one
+        # [1 + rows]: each row's latest occurrence entered, step << 32 | place in its
+        # ring row (-1: none)
+        self._row_latest = self._full(1, -1)
         self._grow_rows(num_rows or 0)
         self._span = max(lookahead, prefetch_distance) + 1  # steps the ring keeps
         self._width = 0
         self._ring_ids = self._full((self._span, 0), -1)  # padded distinct ids per step
         self._ring_mult = self._full((self._span, 0), 0)
         self._ring_batch = self._full((self._span, 0), -1)  # each step's ids, padded
-        self._ring_step = self._full(self._span, -1)
+        # [1 + span * width]: each ring entry's next use (entry 0: a dump for entries
+        # with no occurrence in a step not yet planned)
+        self._ring_next = self._full(1, _NEVER)
         self._positions = self._full(0, 0)  # arange(width)
         self._back = torch.arange(1, prefetch_distance + 1, device=self.device)
         self._lengths: deque[int] = deque()  # how many ids each step entered, not planned, has
@@ -270,6 +280,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         more = self._full(capacity - self.capacity, -1)
         self._slot_row = torch.cat([self._slot_row, more])
         self._slot_last = torch.cat([self._slot_last, more])
+        self._slot_next = torch.cat([self._slot_next, more.fill_(_NEVER)])
         self.capacity = capacity
 
     def push(self, batch: Any) -> CachePlan | None:
@@ -370,6 +381,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         size = rows if self.num_rows is not None else max(rows, 2 * self._rows)
         more = self._full(size - self._rows, -1)
         self._row_slot = torch.cat([self._row_slot, more])
+        self._row_latest = torch.cat([self._row_latest, more])
         if self._row_uses is not None:
             self._row_uses = torch.cat([self._row_uses, more.zero_()])
         self._rows = size
@@ -395,16 +407,19 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
             self._ring_ids = pad(self._ring_ids, more, value=-1)
             self._ring_mult = pad(self._ring_mult, more)
             self._ring_batch = pad(self._ring_batch, more, value=-1)
+            ring_next = pad(self._ring_next[1:].view(self._span, self._width), more, value=_NEVER)
+            self._ring_next = torch.cat([self._ring_next[:1], ring_next.flatten()])
             self._positions = torch.arange(width, device=self.device)
             self._width = width
-        at = self._entering % self._span
+        step, at = self._entering, self._entering % self._span
+        distinct = _padded(batch.distinct, self._width, -1)
         for ring, entries, fill in [
-            (self._ring_ids, batch.distinct, -1),
+            (self._ring_ids, distinct, -1),
             (self._ring_mult, batch.mult, 0),
             (self._ring_batch, batch.ids, -1),
         ]:
             ring.index_copy_(0, at, _padded(entries, self._width, fill)[None])
-        self._ring_step.index_copy_(0, at, self._entering)
+        self._chain(distinct, step, at)
         self._overflow |= batch.pinned_rows > self.capacity
         self._bad |= batch.bad
         self._lengths.append(len(batch.ids))
@@ -413,6 +428,26 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         if batch.step - self.lookahead >= self._next_plan:
             return self._plan()
         return None
+
+    def _chain(self, distinct: torch.Tensor, step: torch.Tensor, at: torch.Tensor) -> None:
+        """The distinct ids of ``step`` (at ring row ``at``) are the next use of their rows'
+        latest earlier occurrences: in the ring where that step is not planned yet, else
+        in the row's slot (if resident; it had no next use)."""
+        now, key = step.expand(self._width), distinct + 1
+        self._ring_next.index_fill_(0, self._ring_entries(at), _NEVER)
+        latest = torch.where(distinct >= 0, self._row_latest.gather(0, key), -1)
+        earlier = latest >> 32  # its step (-1: none)
+        unplanned = earlier >= self._planning
+        entry = 1 + (earlier % self._span) * self._width + (latest & 0xFFFFFFFF)
+        self._ring_next.index_copy_(0, torch.where(unplanned, entry, 0), now)
+        slot = self._row_slot.gather(0, key)
+        planned = (earlier >= 0) & (slot >= 0) & unplanned.logical_not()
+        self._slot_next.index_copy_(0, torch.where(planned, slot + 1, 0), now)
+        self._row_latest.index_copy_(0, key, (now << 32) + self._positions)
+
+    def _ring_entries(self, row: torch.Tensor) -> torch.Tensor:
+        """Where ring row ``row``'s entries sit in ``_ring_next``."""
+        return 1 + row * self._width + self._positions
 
     def _plan(self) -> DevicePlan:
         """Plan the next step: victims in policy order, fetches into free slots, then theirs."""
@@ -425,13 +460,9 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         missing = (distinct >= 0) & (resident_at < 0)
         num_fetch = missing.sum()
 
-        # Each slot's next use in the window: the earliest later step of the ring using its
-        # row (entries of rows not resident, and padding, go to the dump entry 0).
-        later = torch.where(self._ring_step > s, self._ring_step, _NEVER)
-        later = later[:, None].expand(span, self._width).flatten()
-        ring_slots = row_slot.gather(0, self._ring_ids.flatten() + 1) + 1
-        next_use = self._full(1 + self.capacity, _NEVER)
-        next_use = next_use.scatter_reduce_(0, ring_slots, later, "amin")[1:]
+        # A candidate's next use after its last planned one is its next use after ``s``:
+        # it has no use in between (``_chain`` keeps them).
+        next_use = self._slot_next[1:]
 
         # Victim order: free slots, candidates with no next use, candidates by farthest next
         # use, the rest; ties by (uses, last use, row). Stable sorts, least significant first.
@@ -472,8 +503,13 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         used = row_slot.gather(0, distinct + 1) + 1
         # Not index_fill_(…, s): on CUDA, index_fill_ reads a tensor value back to the host.
         self._slot_last.index_copy_(0, used, s.expand(len(used)))
+        next_uses = self._ring_next.index_select(0, self._ring_entries(row))
+        self._slot_next.index_copy_(0, used, next_uses)
         if self._row_uses is not None:
-            self._row_uses.index_add_(0, distinct + 1, mult)
+            # Distinct ids, so a gather and a copy (padding rewrites entry 0 as it is):
+            # index_add_ would send every padding entry's atomic add to that one address.
+            key = distinct + 1
+            self._row_uses.index_copy_(0, key, self._row_uses.gather(0, key) + mult)
         ids = self._ring_batch.index_select(0, row).view(-1)[: self._lengths.popleft()]
         step = self._next_plan
         self._next_plan += 1
