@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from tests.models import (
     UNWEIGHTED,
@@ -19,6 +20,8 @@ from tests.models import (
     train_reference,
 )
 from torchrec_lookahead import LookaheadEmbeddingBagCollection
+from torchrec_lookahead.cache.pools import slot_pools
+from torchrec_lookahead.cache.sizing import TableSlots
 
 # A first batch of 2 samples sizes the caches; later batches of 256 need far more rows.
 WIDENING = batches(1, batch_size=2) + batches(8, batch_size=256, seed=3)
@@ -94,3 +97,18 @@ def test_caps_are_checked_against_the_other_settings() -> None:
         LookaheadEmbeddingBagCollection(UNWEIGHTED, min_cache_rows=8, max_cache_rows=4)
     capped = LookaheadEmbeddingBagCollection(UNWEIGHTED, max_cache_rows=100)
     assert capped.table_slots() == [100, 100, 100]  # 10% of 4000, 1500, 10000 rows, capped
+
+
+def test_a_partitioned_pool_grows_past_its_rows_only_where_no_cap_was_set() -> None:
+    """5 rows in 3 hash partitions need 6 slots when a window touches all of them (shares
+    of 2, 2 and 1 slots; a partition owns up to 2 rows): a pool whose table has no
+    ``max_cache_rows`` may grow to 6, one capped at its 5 rows is refused with the hint."""
+    pools = slot_pools([5], [4], EmbOptimType.EXACT_SGD)
+    uncapped = TableSlots(["t"], [5], pools, [2])
+    assert uncapped.growth([2], [6], 3, 0, [3]) == [(6, 6)]
+    capped = TableSlots(["t"], [5], pools, [2], [5])
+    hint = r"at most 5 slots \(max_cache_rows; planned in 3 hash partitions.*fewer workers\)"
+    with pytest.raises(ValueError, match=hint):
+        capped.growth([2], [6], 3, 0, [3])
+    with pytest.raises(ValueError, match=r"at most 5 slots \(all its rows\)"):  # unsplit
+        uncapped.growth([2], [6], 3, 0, [1])

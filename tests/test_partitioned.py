@@ -196,15 +196,16 @@ def test_a_partitioned_oracle_grown_mid_stream_meets_the_contract(
 
 
 @pytest.mark.parametrize("rows, partitions", [(5, 3), (7, 2), (16, 4), (1, 3), (10, 4)])
-def test_slots_for_every_row_hold_any_window(rows, partitions) -> None:
-    """Every row in every batch: ``slots_for_every_row(rows)`` slots (``K * ceil(rows /
-    K)``, a few more than the rows where a partition owns more than its share) plan it."""
-    batches = [np.arange(rows)] * 4
-    assert OracleCacher(1, 1, 0, rows).slots_for_every_row(rows) == rows
-    probe = PartitionedOracle(partitions, 1, 0, num_rows=rows, partitions=partitions)
-    slots = probe.slots_for_every_row(rows)
-    assert slots == partitions * -(-rows // partitions) and rows <= slots < rows + partitions
+def test_k_shares_of_k_ceil_rows_over_k_slots_hold_any_window(rows, partitions) -> None:
+    """Every row in every batch: ``K * ceil(rows / K)`` slots (what a pool planned in K
+    partitions may grow to, a few more than its rows) plan it, as a partition owns at most
+    ``ceil(rows / K)`` rows, one of each run of K ids."""
+    owned = np.bincount([split_of(i, partitions) for i in range(rows)], minlength=partitions)
+    assert owned.max() == -(-rows // partitions)
+    slots = partitions * -(-rows // partitions)
     oracle = PartitionedOracle(slots, 1, 0, num_rows=rows, partitions=partitions)
+    assert oracle.partitions == partitions and OracleCacher(1, 1).partitions == 1
+    batches = [np.arange(rows)] * 4
     assert [len(p.slots) for p in oracle.plan(batches)] == [rows] * 4
 
 

@@ -61,8 +61,8 @@ class CacheGroup:
         feature_tables: the table of each feature, in lookup order; a table's
             features are consecutive.
         table_slots: the slots each table brings to its pool.
-        table_caps: the most slots each table may bring (``max_cache_rows``; by default
-            its rows): a pool grows up to the sum of its tables' caps (see
+        table_caps: the most slots each table may bring (``max_cache_rows``; ``None``,
+            the default: its rows): a pool grows up to the sum of its tables' caps (see
             :mod:`~torchrec_lookahead.cache.sizing`).
         store: the full tables (and optimizer state) behind the cache.
         optimizer, device, pooling, fbgemm_params: the cache TBE's settings.
@@ -83,7 +83,7 @@ class CacheGroup:
         pooling: PoolingMode = PoolingMode.SUM,
         fbgemm_params: dict[str, Any] | None = None,
         data_type: DataType = DataType.FP32,
-        table_caps: Sequence[int] | None = None,
+        table_caps: Sequence[int | None] | None = None,
     ) -> None:
         self.names = list(names)
         self.num_rows = list(num_rows)
@@ -220,7 +220,7 @@ class CacheGroup:
             [n for _, n in sized],
             step,
             self._window.prefetch_distance,
-            [o.slots_for_every_row(pool.num_rows) for o, pool in zip(oracles, self.pools)],
+            [oracle.partitions for oracle in oracles],
         )
         return PreparedGroup(self, step, lookups, batches, order, sizing, growth)
 

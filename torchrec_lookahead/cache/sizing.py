@@ -36,7 +36,8 @@ class TableSlots:
         num_rows: rows of each table.
         pools: the group's slot pools.
         shares: the slots each table brings to its pool.
-        caps: the most slots each table may bring (by default its rows).
+        caps: the most slots each table may bring (``max_cache_rows``); ``None`` (for
+            all, or a table): its rows.
     """
 
     def __init__(
@@ -45,14 +46,16 @@ class TableSlots:
         num_rows: Sequence[int],
         pools: Sequence[SlotPool],
         shares: Sequence[int],
-        caps: Sequence[int] | None = None,
+        caps: Sequence[int | None] | None = None,
     ) -> None:
         self.names = list(names)
         self.num_rows = list(num_rows)
         self.pools = list(pools)
         self.slots = list(shares)  # each table's slots now
         self.shares = list(shares)  # before any raise to what the window needs
-        self.caps = list(self.num_rows if caps is None else caps)
+        caps = caps or [None] * len(self.num_rows)
+        self.capped = [cap is not None for cap in caps]  # by the user, not by its rows
+        self.caps = [rows if cap is None else cap for rows, cap in zip(self.num_rows, caps)]
 
     def per_pool(self, table_slots: Sequence[int]) -> list[int]:
         """Each pool's slots: the sum of its tables' ``table_slots``."""
@@ -76,7 +79,7 @@ class TableSlots:
         needed: list[int],
         step: int,
         d: int,
-        every_row: Sequence[int] | None = None,
+        partitions: Sequence[int] | None = None,
     ) -> list[tuple[int, int]] | None:
         """Each pool's slots to grow to, and what its window needs, if a window needs
         more than ``slots``; ``ValueError`` before anything changes if over a pool's cap.
@@ -84,21 +87,22 @@ class TableSlots:
         A pool grows to ``GROWTH`` times its slots, or to what is needed if more,
         within its cap: geometric growth, so a stream whose windows keep widening
         rebuilds the cache a few times (each rebuild copies the cache and waits for
-        the moves in flight), not once per new maximum. A pool no table of which is
-        capped below its rows may grow to ``every_row[p]`` (its planner's
-        ``slots_for_every_row``: a few more than its rows where the planner splits
-        its slots into shares; by default its rows).
+        the moves in flight), not once per new maximum. A pool whose planner splits
+        its slots into ``partitions[p] = K`` equal shares (hash partitions) and none of
+        whose tables the user capped may grow to ``K * ceil(rows / K)``, a few slots more
+        than its rows: a partition owns up to ``ceil(rows / K)`` of them (one id of each
+        run of ``K``), which its share must be able to hold.
         """
         if all(n <= have for n, have in zip(needed, slots)):
             return None
         growth = []
         for p, (have, n) in enumerate(zip(slots, needed)):
             tables = self.pools[p].tables
-            cap = sum(self.caps[t] for t in tables)
-            if every_row is not None and cap == sum(self.num_rows[t] for t in tables):
-                cap = max(cap, every_row[p])
+            cap, k = sum(self.caps[t] for t in tables), partitions[p] if partitions else 1
+            if not any(self.capped[t] for t in tables):
+                cap = k * -(-cap // k)
             if n > cap:
-                raise self._over_cap(p, n, cap, step, d)
+                raise self._over_cap(p, n, cap, step, d, k)
             growth.append((have if n <= have else min(cap, max(n, math.ceil(GROWTH * have))), n))
         return growth
 
@@ -113,10 +117,17 @@ class TableSlots:
         self.shares = list(self.slots)
         return parts
 
-    def _over_cap(self, pool: int, needed: int, cap: int, step: int, d: int) -> ValueError:
+    def _over_cap(
+        self, pool: int, needed: int, cap: int, step: int, d: int, partitions: int
+    ) -> ValueError:
         tables = [self.names[t] for t in self.pools[pool].tables]
-        capped = any(self.caps[t] < self.num_rows[t] for t in self.pools[pool].tables)
+        capped = any(self.capped[t] for t in self.pools[pool].tables)
         why = "max_cache_rows" if capped else "all its rows"
+        if partitions > 1:  # a share may be short while the whole cache is not
+            why += (
+                f"; planned in {partitions} hash partitions, each needs its own share of "
+                "them: plan with fewer workers"
+            )
         return ValueError(
             f"step {step}: steps {max(step - d, 0)}..{step} use {needed} distinct rows of "
             f"tables {tables}, which must be resident together (prefetch_distance={d}), "

@@ -101,7 +101,12 @@ def build_cache_group(
         pooling,
         params,
         data_type,
-        [sizing.cap(t.name, t.num_embeddings, t.local_rows) for t in tables],
+        [
+            sizing.cap(t.name, t.num_embeddings, t.local_rows)
+            if t.name in sizing.max_rows
+            else None
+            for t in tables
+        ],
     )
     if states is None:
         store.allocate_states(cached.cache.state_shapes())

@@ -61,7 +61,12 @@ class CachePlanner(ABC, Generic[PreparedT]):
     of the step ``lookahead`` batches back once it is complete. At the end of
     the stream ``finish`` returns the plans still due, with shorter windows,
     and ``flush`` the write-back of every resident row.
+
+    ``partitions``: the equal shares a planner splits its slots into, each share
+    planning its own hash partition of the rows (1: it does not split them).
     """
+
+    partitions: int = 1
 
     @abstractmethod
     def prepare(self, batch: Any) -> PreparedT:
@@ -88,11 +93,6 @@ class CachePlanner(ABC, Generic[PreparedT]):
         batch and the slots its window needs, to ``grow`` to before ``push``. A planner
         that cannot grow refuses as ``prepare`` does (and then needs no more: 0)."""
         return self.prepare(batch), 0
-
-    def slots_for_every_row(self, rows: int) -> int:
-        """Slots that hold any window over a table of ``rows`` rows: ``rows`` (no window
-        touches more), or more where the planner splits its slots into shares."""
-        return rows
 
     def grow(self, capacity: int) -> None:
         """Have ``capacity`` slots from now on, the resident rows kept in their slots."""

@@ -104,6 +104,7 @@ def prepare_batch(ids, rows, head, starts, parts, part, limit, scratch):
         # Two branch-free loops: every id's block and partition (independent per id,
         # so the hash pipelines), then this partition's ids picked. One loop doing
         # both was several times slower: each pick waited on its id's hash.
+        assert scratch.shape[0] >= 4 and scratch.shape[1] >= len(ids)  # no bounds checks
         blocks, owner, picked, local = scratch[0], scratch[1], scratch[2], scratch[3]
         inv = 1.0 / parts
         for i in range(len(ids)):

@@ -170,12 +170,6 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
         needed = max(k * (b.pinned_rows - 1) + p + 1 for p, b in enumerate(parts))
         return PartitionedBatch(self, step, ids, tuple(parts)), needed
 
-    def slots_for_every_row(self, rows: int) -> int:
-        """``K * ceil(rows / K)``: a partition owns at most ``ceil(rows / K)`` of the rows
-        (one of each run of ``K`` ids), and every share must be able to hold that many."""
-        k = self.partitions
-        return k * -(-rows // k)
-
     def grow(self, capacity: int) -> None:
         """``capacity`` slots from now on: each partition grows to its share of them (a
         share never shrinks as the capacity grows), its new slots numbered after the old
