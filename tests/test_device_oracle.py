@@ -14,7 +14,7 @@ from torch.nn.functional import pad
 from benchmarks.common import pinned_rows_needed
 from tests.contract import replay
 from tests.test_oracle import BAD_ORACLE_SETTINGS, tie_breaks, traces
-from torchrec_lookahead import DeviceOracleCacher, OracleCacher
+from torchrec_lookahead import CachePlan, DeviceOracleCacher, OracleCacher
 from torchrec_lookahead.oracle.cacher import TIE_BREAKS
 from torchrec_lookahead.oracle.device import DevicePlan
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
@@ -90,6 +90,36 @@ def test_flush_keeps_rows_resident_and_the_stream_goes_on_after_finish() -> None
     want += list(numba.plan(batches[15:]))
     replay(batches, plans, oracle.flush(), 6, 1)
     assert [p.num_misses for p in plans] == [p.num_misses for p in want]
+
+
+@pytest.mark.parametrize("lookahead", [8, 12])
+@pytest.mark.parametrize("tie_break", TIE_BREAKS)
+def test_a_stream_ended_early_goes_on_with_a_wider_window(lookahead, tie_break) -> None:
+    """Three batches, ``finish``, nine more, ``finish``: the window's rings grow after rows
+    became resident. The numba oracle once looped forever here (a new step's bucket began
+    with the list of the step a ring's length before it); both oracles fetch alike."""
+    before = [[3, 10, 15, 6, 10], [7, 2, 9, 5, 15, 6, 12, 6, 1, 2, 13], [9, 4, 10, 6, 11, 12]]
+    after = [
+        [13, 12, 3, 8, 5, 2, 7, 6],
+        [6, 5],
+        [0],
+        [0, 9, 8, 13, 15, 13, 7, 2, 12, 12, 3, 7],
+        [10, 13, 8, 3, 1, 15, 11, 6, 14, 15, 1, 5, 2, 9, 15, 2, 11, 11],
+        [11, 3],
+        [11, 10, 8, 13, 13, 15, 7, 15, 5],
+        [2, 0, 1, 4, 13, 15, 12],
+        [2, 1],
+    ]
+    plans: dict[str, list[CachePlan]] = {}
+    for name, oracle in [
+        ("numba", OracleCacher(15, lookahead, 1, 16, tie_break=tie_break)),
+        ("device", DeviceOracleCacher(15, lookahead, 1, 16, "cpu", tie_break=tie_break)),
+    ]:
+        plans[name] = list(oracle.plan(np.array(b) for b in before))
+        plans[name] += list(oracle.plan(np.array(b) for b in after))
+    assert len(plans["numba"]) == len(before) + len(after)
+    for a, b in zip(plans["numba"], plans["device"], strict=True):
+        assert sorted(a.fetch_ids.tolist()) == sorted(b.fetch_ids.tolist()), a.step
 
 
 @pytest.mark.parametrize(

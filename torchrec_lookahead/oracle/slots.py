@@ -137,10 +137,14 @@ def grow_rings(
 
 
 def _grown_ring(ring: np.ndarray, first: int, end: int, fill: int) -> np.ndarray:
-    """A ring of the next power-of-two size for ``[first, end)``, with those entries moved."""
+    """A ring of the next power-of-two size for ``[first, end)``, with the entries the old
+    ring held moved: those of ``[first, first + len(ring))``. The newer ones start at
+    ``fill``: in the old ring their places were an older entry's (a step's bucket would
+    otherwise start with the list of the step ``len(ring)`` before it, which a stream
+    going on after ``finish`` still had)."""
     size = 1 << (end - first - 1).bit_length()
     out = np.full(size, fill, dtype=ring.dtype)
-    live = np.arange(first, end)
+    live = np.arange(first, min(end, first + len(ring)))
     out[live & (size - 1)] = ring[live & (len(ring) - 1)]
     return out
 
