@@ -69,7 +69,7 @@ from torchrec_lookahead.settings import PLANNERS
 from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.stores import HostStore
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
-from torchrec_lookahead.testing.stream_check import StreamChecker
+from torchrec_lookahead.testing.stream_check import TRAINER, StreamChecker
 from torchrec_lookahead.testing.streams import use_deferred_side_streams
 
 DATA = batches(16)
@@ -444,3 +444,40 @@ def test_an_unsharded_window_runs_end_to_end_on_fake_cuda(planner: str) -> None:
             reloaded = model.weighted.state_dict()
             assert all(torch.equal(reloaded[k], v) for k, v in initial[1].items())
         assert checker.operators > 0
+
+
+def test_the_executor_reads_a_device_plan_back_without_waiting_for_the_trainer() -> None:
+    """``planner="device"``: the executor reads each plan back on a stream of its own that
+    waits for the stage's plan alone, so the read adds no wait for the trainer's stream.
+    Read on the side stream, which first waits for the trainer to reach the step's issue
+    point, the executor's host waited each step for the device to finish the step before
+    (on a GPU, the moves of step ``s`` then start after step ``s - d - 1`` has run,
+    though the plan was made ``L - d`` steps before). The host may already know that
+    much of the trainer's stream from a wait of its own (a write-back into host memory
+    waits for the step's updates), and then the read asks no more."""
+    with fake_cuda() as (_, checker):
+        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.05, device=CUDA)
+        model.over.to(CUDA)
+        model.eval()
+        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+        with (
+            torch.no_grad(),
+            LookaheadTrainPipeline(
+                model, dense, CUDA, lookahead=4, prefetch_distance=1, planner="device"
+            ) as pipeline,
+        ):
+            it = iter(DATA)
+            for _ in range(8):
+                pipeline.progress(it)
+    known, reads, issues = 0, 0, set()  # the trainer's operators the executor's host waited for
+    for wait in checker.waits:
+        if wait.thread != "lookahead-executor":
+            continue
+        if wait.waiter is not None and wait.stream == TRAINER:  # the side stream: an issue point
+            issues.add(wait.follows(TRAINER))
+        elif wait.waiter is None:
+            if "_to_host" in wait.site:  # a plan read back
+                assert wait.follows(TRAINER) <= known, f"it waits for the trainer: {wait.site}"
+                reads += 1
+            known = max(known, wait.follows(TRAINER))
+    assert reads >= 2 * 8 and len(issues) >= 8  # two reads a step and pool, steps issued

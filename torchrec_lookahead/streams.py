@@ -28,6 +28,10 @@ The orderings, as the pipeline uses them:
    distributed input, the step's slots) are marked as used there
    (:func:`record_use`), so that the caching allocator does not hand their
    memory out again while that stream may still read it.
+5. A plan made on the device is read back on a stream of its own
+   (:func:`new_stream`, ``role="readback"``) that waits for the stage's event
+   after the plan and nothing else: on the side stream, after the issue point,
+   the host's read would wait for the trainer's previous step.
 """
 
 from __future__ import annotations
@@ -107,7 +111,8 @@ class StreamBackend:
     torch's own. Test doubles subclass it (see :func:`use_backend`)."""
 
     def make(self, device: torch.device, role: str) -> SideStream:
-        """A new stream of ``device`` for ``role`` (``"side"``: row moves; ``"stage"``)."""
+        """A new stream of ``device`` for ``role`` (``"side"``: row moves; ``"stage"``;
+        ``"readback"``)."""
         return SideStream(device)
 
     def mark(self, device: torch.device) -> Any:
@@ -150,7 +155,8 @@ def side_stream(device: torch.device | str) -> SideStream:
 
 
 def new_stream(device: torch.device | str, role: str) -> SideStream:
-    """A stream of ``device`` of its own (the lookahead stage's: ``role="stage"``)."""
+    """A stream of ``device`` of its own (the lookahead stage's: ``role="stage"``; a device
+    plan's read-back: ``role="readback"``)."""
     return _BACKEND.make(normalize(device), role)
 
 

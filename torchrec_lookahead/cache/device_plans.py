@@ -13,10 +13,13 @@ device and the stage's stream. :class:`DevicePlanning` is that
   that needs more, or refuses a batch, before it enters, as on the host);
 * ``enter``: each table's distinct ids, counted on the device;
 * ``plan``: the step's slots stay on the device; its one move, run by the
-  executor on the side stream, reads the plan back (its counts, its moves, the
-  step's distinct ids per table) ``L - d`` steps after the stage's stream made
-  it, so the read waits for nothing in practice, and on no thread of the
-  trainer's; then it applies and counts the plan.
+  executor, reads the plan back (its counts, its moves, the step's distinct
+  ids per table) ``L - d`` steps after the stage's stream made it, on a stream
+  of its own that waits for that plan alone, so the read waits for nothing in
+  practice, and on no thread of the trainer's; then it applies the plan on the
+  side stream and counts it. (Read on the side stream, which first waits for
+  the trainer to reach the step's issue point, the executor's host would wait
+  for the device to finish the step before that one.)
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class DevicePlanning(Planning):
             *[pool.offsets[1:-1] for pool in layout.pools],
         ]
         self._constants: list[torch.Tensor] = []
+        self._readback: streams.SideStream | None = None  # made by the first move
 
     def new_oracle(self, slots: int, pool: int) -> CachePlanner[Any]:
         w = self.window
@@ -132,7 +136,8 @@ class DevicePlanning(Planning):
 
     def plan(self, ready: list[DevicePlan]) -> tuple[torch.Tensor, StepMoves]:
         """The step's slots stay on the device; its one move, for the executor, reads the
-        plans back once the stage's stream has made them (the event marked here)."""
+        plans back once the stage's stream has made them (the event marked here), and
+        only then: not after the trainer's step, as the side stream's work is."""
         step = ready[0].step
         slots = torch.cat([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
         made = streams.mark(self.device)  # after the plans, on the stage's stream
@@ -141,9 +146,11 @@ class DevicePlanning(Planning):
     def _move(self, plans: Sequence[DevicePlan], distinct: torch.Tensor, made: object) -> None:
         """Apply one step's ``plans`` (one per pool, made before the stage's event ``made``)
         and count them with the step's ``distinct`` ids per table. Run by the executor."""
-        side = streams.side_stream(self.device)
-        side.wait_for(made)
-        with side.context():  # the reads wait for the stage's plan, not the trainer's step
+        if self._readback is None:
+            self._readback = streams.new_stream(self.device, "readback")
+        readback = self._readback
+        readback.wait_for(made)
+        with readback.context():  # the reads wait for the stage's plan, not the trainer's step
             streams.record_use([plans, distinct], self.device)  # read here, freed elsewhere
             flags = [torch.stack([p.bad_ids, p.overflow]).to(torch.int64) for p in plans]
             head = self._to_host(torch.cat([distinct, *flags, *[p.counts for p in plans]]))
@@ -173,13 +180,14 @@ class DevicePlanning(Planning):
                 self.cache.apply(p, plan)
 
     def _to_host(self, tensor: torch.Tensor) -> np.ndarray:
-        """``tensor`` (on the side stream) in host memory: copied into page-locked memory
-        without blocking the stream; the host then waits for the side stream."""
+        """``tensor`` (on the read-back stream) in host memory: copied into page-locked
+        memory without blocking the stream; the host then waits for that stream."""
         if tensor.device.type == "cpu":
             return tensor.numpy()
+        assert self._readback is not None, "read back in a move"
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         streams.host_side(host).copy_(tensor, non_blocking=True)
-        streams.side_stream(self.device).drain()
+        self._readback.drain()
         return host.numpy()
 
     @property

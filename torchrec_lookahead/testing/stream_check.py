@@ -30,7 +30,9 @@ CPU, every CPU tensor except host memory the package declares
 (``streams.host_side``: the backing store, staging buffers). Use it as a
 context manager (a pytest fixture is ``with StreamChecker() as checker: yield
 checker``, as in ``tests/test_exactness.py``); leaving the block raises
-:class:`StreamError` with every violation found.
+:class:`StreamError` with every violation found. It also keeps every wait for
+an event, by a stream or by the host (:attr:`StreamChecker.waits`), so that a
+test can ask what a thread waited for: how much of each stream's work.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +53,7 @@ from torchrec_lookahead.testing.operator_access import OperatorAccesses, tensors
 from torchrec_lookahead.testing.races import TrackedStorage, Use
 from torchrec_lookahead.testing.threads import in_new_threads, on_start
 
-__all__ = ["CheckedStream", "StreamChecker", "StreamError"]
+__all__ = ["CheckedStream", "StreamChecker", "StreamError", "Wait"]
 
 aten = torch.ops.aten
 TRAINER = 0  # the device's default stream: the trainer's, and any thread's outside a block
@@ -63,14 +66,30 @@ class StreamError(AssertionError):
 
 
 class _Event:
-    """An event: the clock of its stream when it was recorded."""
+    """An event: its stream, and that stream's clock when it was recorded."""
 
-    def __init__(self, checker: StreamChecker, clock: dict[int, int]) -> None:
+    def __init__(self, checker: StreamChecker, stream: int, clock: dict[int, int]) -> None:
         self._checker = checker
+        self.stream = stream
         self.clock = clock
 
     def synchronize(self) -> None:
         self._checker.synchronize(self)
+
+
+@dataclass(frozen=True)
+class Wait:
+    """A wait for an event, as the checker saw it (:attr:`StreamChecker.waits`)."""
+
+    thread: str  # the thread that called it
+    waiter: int | None  # the stream made to wait; None: the host (a synchronisation)
+    stream: int  # the stream the event was recorded on
+    clock: dict[int, int]  # the event's clock: per stream, how much of its work it follows
+    site: str  # where in the package it was called
+
+    def follows(self, stream: int) -> int:
+        """How many of ``stream``'s operators the waited-for event comes after."""
+        return self.clock.get(stream, 0)
 
 
 class CheckedStream(streams.SideStream):
@@ -128,6 +147,7 @@ class StreamChecker(streams.StreamBackend):
         self._saved_threads = torch.get_num_threads()
         self.errors: list[str] = []
         self.operators = 0  # operators seen on checked memory
+        self.waits: list[Wait] = []  # every event waited for, by a stream or the host
         self._accesses = OperatorAccesses(values or (lambda tensor: tensor))
         self._names = ["the trainer's stream (the default stream)"]
         self._clocks: list[dict[int, int]] = [{TRAINER: 0}]
@@ -245,16 +265,22 @@ class StreamChecker(streams.StreamBackend):
         with self._lock:
             clock = self._clocks[stream]
             _merge(clock, self._host_clock())
-            return _Event(self, dict(clock))
+            return _Event(self, stream, dict(clock))
 
     def wait(self, stream: int, event: _Event) -> None:
         with self._lock:
             _merge(self._clocks[stream], event.clock)
+            self._log(stream, event)
 
     def synchronize(self, event: _Event) -> None:
         """The host waits for ``event``: work this thread queues later comes after it."""
         with self._lock:
             _merge(self._host_clock(), event.clock)
+            self._log(None, event)
+
+    def _log(self, waiter: int | None, event: _Event) -> None:
+        thread = threading.current_thread().name
+        self.waits.append(Wait(thread, waiter, event.stream, dict(event.clock), _where()))
 
     def _host_clock(self) -> dict[int, int]:
         clock = getattr(self._local, "host", None)
