@@ -45,6 +45,7 @@ import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.datasets.utils import Batch
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_lookahead.streams as streams
@@ -69,6 +70,7 @@ from torchrec_lookahead.settings import PLANNERS
 from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.stores import HostStore
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
+from torchrec_lookahead.testing.host_waits import HostCounter
 from torchrec_lookahead.testing.stream_check import TRAINER, StreamChecker
 from torchrec_lookahead.testing.streams import use_deferred_side_streams
 
@@ -481,3 +483,19 @@ def test_the_executor_reads_a_device_plan_back_without_waiting_for_the_trainer()
                 reads += 1
             known = max(known, wait.follows(TRAINER))
     assert reads >= 2 * 8 and len(issues) >= 8  # two reads a step and pool, steps issued
+
+
+def test_the_stages_stream_has_the_priority_of_torchrecs_data_dist_stream() -> None:
+    """TorchRec's ``TrainPipelineSparseDist`` copies each batch to the device and starts
+    its input dist on streams of a higher priority than the model's, so their few kernels
+    go before the model's queued ones; the stage does that work (and a device planner's
+    plans) on its stream, made at the same priority. The side stream's moves, issued
+    ``d`` steps ahead, keep the default priority, as TorchRec's prefetch stream does."""
+    with FakeCuda(CUDA) as fake, HostCounter(fake):  # torch.cuda's streams stood in for
+        model = torch.nn.Linear(2, 1).to(CUDA)
+        plain = TrainPipelineSparseDist(model, torch.optim.SGD(model.parameters(), lr=0.1), CUDA)
+        stage = LookaheadStage([], BatchCheck({}, {}), CUDA, threaded=False)
+        data_dist = plain._data_dist_stream
+        assert data_dist is not None and data_dist.priority < 0
+        assert stage._lane._stream.priority == data_dist.priority
+        assert streams.side_stream(CUDA)._stream.priority == 0

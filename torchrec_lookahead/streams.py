@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "PRIORITIES",
     "SideStream",
     "StreamBackend",
     "host_side",
@@ -69,12 +70,16 @@ def normalize(device: torch.device | str) -> torch.device:
 
 
 class SideStream:
-    """A stream of ``device`` for work beside the trainer's (a no-op stand-in on the CPU)."""
+    """A stream of ``device`` for work beside the trainer's (a no-op stand-in on the CPU),
+    at ``priority`` (lower is sooner, as CUDA's; 0 is the default stream's)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, priority: int = 0) -> None:
         self.device = normalize(device)
         self._module: Any = torch.get_device_module(self.device)
-        self._stream = self._module.Stream(self.device)
+        if self.device.type == "cpu":
+            self._stream = self._module.Stream()
+        else:
+            self._stream = self._module.Stream(self.device, priority=priority)
 
     def run(self, work: Callable[[], None]) -> None:
         """Do ``work``'s device operations on this stream, in order with earlier work."""
@@ -112,8 +117,8 @@ class StreamBackend:
 
     def make(self, device: torch.device, role: str) -> SideStream:
         """A new stream of ``device`` for ``role`` (``"side"``: row moves; ``"stage"``;
-        ``"readback"``)."""
-        return SideStream(device)
+        ``"readback"``), at the role's priority (:data:`PRIORITIES`)."""
+        return SideStream(device, PRIORITIES.get(role, 0))
 
     def mark(self, device: torch.device) -> Any:
         """An event at the calling thread's current point on ``device``."""
@@ -141,6 +146,14 @@ class StreamBackend:
     def host_side(self, tensor: torch.Tensor) -> None:
         """``tensor`` is host memory (see :func:`host_side`)."""
 
+
+# The stage's stream (a batch's copy to the device, its input dist, a device planner's
+# plan) is made at a higher priority than the trainer's, as TorchRec's
+# ``TrainPipelineSparseDist`` makes its copy and data-dist streams (priority -1): the few
+# kernels a step soon waits for are scheduled before the model's queued ones. The side
+# stream's moves are issued ``d`` steps ahead, at the default priority, as TorchRec's
+# prefetch stream is.
+PRIORITIES = {"stage": -1}
 
 _BACKEND = StreamBackend()
 _STREAMS: dict[torch.device, SideStream] = {}

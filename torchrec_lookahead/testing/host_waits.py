@@ -299,12 +299,15 @@ class _Stream(torch.Stream):
     """A CUDA stream of the counter: its operations counted, none done."""
 
     counter: HostCounter
+    priority: int  # the priority it was made at
     _ids = iter(range(1, 1 << 30))
 
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> _Stream:
         stream_id = kwargs.get("stream_id")
         stream_id = next(cls._ids) if stream_id is None else stream_id
-        return super().__new__(cls, stream_id=stream_id, device_index=0, device_type=1)
+        stream = super().__new__(cls, stream_id=stream_id, device_index=0, device_type=1)
+        stream.priority = priority  # as asked (CUDA's would clamp it to its range)
+        return stream
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
