@@ -488,8 +488,9 @@ def test_the_executor_reads_a_device_plan_back_without_waiting_for_the_trainer()
 def test_the_stages_stream_has_the_priority_of_torchrecs_data_dist_stream() -> None:
     """TorchRec's ``TrainPipelineSparseDist`` copies each batch to the device and starts
     its input dist on streams of a higher priority than the model's, so their few kernels
-    go before the model's queued ones; the stage does that work (and a device planner's
-    plans) on its stream, made at the same priority. The side stream's moves, issued
+    go before the model's queued ones; the stage does that work on its lane, and its
+    planning (a device planner's plans, the steps' slots) on a stream of its own, both
+    made at the same priority. The side stream's moves, issued
     ``d`` steps ahead, keep the default priority, as TorchRec's prefetch stream does."""
     with FakeCuda(CUDA) as fake, HostCounter(fake):  # torch.cuda's streams stood in for
         model = torch.nn.Linear(2, 1).to(CUDA)
@@ -498,4 +499,43 @@ def test_the_stages_stream_has_the_priority_of_torchrecs_data_dist_stream() -> N
         made = {v.priority for v in vars(plain).values() if isinstance(v, torch.Stream)}
         assert len(made) == 1 and min(made) < 0  # its copy and data-dist streams
         assert stage._lane._stream.priority == min(made)
+        assert stage._planning._stream.priority == min(made)
         assert streams.side_stream(CUDA)._stream.priority == 0
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_planning_runs_on_a_stream_of_its_own_beside_the_input_dist(planner: str) -> None:
+    """Inline, the trainer's thread runs each batch's input dist on the stage's lane, and
+    TorchRec's input dist waits on the host for its own copies there (split sizes read
+    back, a blocking copy of a permutation): it waits for whatever the lane has queued.
+    Planning (a host planner's ids read back and slots copied over, a device planner's
+    ~200 kernels a batch) runs on a stream of its own that waits for the lane's event
+    after the input dist, and the lane never waits for it, so those host waits wait for
+    distributing only, as plain TorchRec's wait on its data-dist stream."""
+    with fake_cuda() as (_, checker):
+        streams_of: dict[str, set[int]] = {}
+        operator = checker.operator
+
+        def attributed(func, args, kwargs):  # noqa: ANN001, ANN202
+            thread = threading.current_thread().name
+            streams_of.setdefault(thread, set()).add(checker.current())
+            return operator(func, args, kwargs)
+
+        checker.operator = attributed  # type: ignore[method-assign]
+        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.05, device=CUDA)
+        model.over.to(CUDA)
+        model.eval()
+        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+        with (
+            torch.no_grad(),
+            LookaheadTrainPipeline(model, dense, CUDA, lookahead=4, planner=planner) as pipeline,
+        ):
+            it = iter(DATA)
+            for _ in range(6):
+                pipeline.progress(it)
+        (lane,) = checker.streams_named("stage")
+    planning = streams_of["lookahead-planner"]
+    assert planning and lane not in planning and TRAINER not in planning
+    assert lane in streams_of["lookahead-reader"]  # the batches' copies to the device
+    lane_waits = [w for w in checker.waits if w.waiter == lane]
+    assert not [w for w in lane_waits if w.stream in planning]

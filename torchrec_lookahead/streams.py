@@ -116,8 +116,9 @@ class StreamBackend:
     torch's own. Test doubles subclass it (see :func:`use_backend`)."""
 
     def make(self, device: torch.device, role: str) -> SideStream:
-        """A new stream of ``device`` for ``role`` (``"side"``: row moves; ``"stage"``;
-        ``"readback"``), at the role's priority (:data:`PRIORITIES`)."""
+        """A new stream of ``device`` for ``role`` (``"side"``: row moves; ``"stage"``,
+        ``"planning"``: the stage's; ``"readback"``), at the role's priority
+        (:data:`PRIORITIES`)."""
         return SideStream(device, PRIORITIES.get(role, 0))
 
     def mark(self, device: torch.device) -> Any:
@@ -147,13 +148,14 @@ class StreamBackend:
         """``tensor`` is host memory (see :func:`host_side`)."""
 
 
-# The stage's stream (a batch's copy to the device, its input dist, a device planner's
-# plan) is made at a higher priority than the trainer's, as TorchRec's
+# The stage's streams (a batch's copy to the device and its input dist; its planning: a
+# device planner's plan, the steps' slots) are made at a higher priority than the
+# trainer's, as TorchRec's
 # ``TrainPipelineSparseDist`` makes its copy and data-dist streams (priority -1): the few
 # kernels a step soon waits for are scheduled before the model's queued ones. The side
 # stream's moves are issued ``d`` steps ahead, at the default priority, as TorchRec's
 # prefetch stream is.
-PRIORITIES = {"stage": -1}
+PRIORITIES = {"stage": -1, "planning": -1}
 
 _BACKEND = StreamBackend()
 _STREAMS: dict[torch.device, SideStream] = {}
@@ -168,8 +170,8 @@ def side_stream(device: torch.device | str) -> SideStream:
 
 
 def new_stream(device: torch.device | str, role: str) -> SideStream:
-    """A stream of ``device`` of its own (the lookahead stage's: ``role="stage"``; a device
-    plan's read-back: ``role="readback"``)."""
+    """A stream of ``device`` of its own (the lookahead stage's: ``role="stage"`` and
+    ``"planning"``; a device plan's read-back: ``role="readback"``)."""
     return _BACKEND.make(normalize(device), role)
 
 

@@ -3,7 +3,7 @@
 Where a group plans on the device (``planner="device"``, see
 :class:`~torchrec_lookahead.settings.WindowSettings`), each slot pool's planner is a
 :class:`~torchrec_lookahead.oracle.device.DeviceOracleCacher` on the cache's
-device and the stage's stream. :class:`DevicePlanning` is that
+device and the stage's planning stream. :class:`DevicePlanning` is that
 :class:`~torchrec_lookahead.cache.planning.Planning`:
 
 * ``prepare``: the batch's ids become pool ids on the device (the features'
@@ -14,7 +14,7 @@ device and the stage's stream. :class:`DevicePlanning` is that
 * ``enter``: each table's distinct ids, counted on the device;
 * ``plan``: the step's slots stay on the device; its one move, run by the
   executor, reads the plan back (its counts, its moves, the step's distinct
-  ids per table) ``L - d`` steps after the stage's stream made it, on a stream
+  ids per table) ``L - d`` steps after the stage's planning stream made it, on a stream
   of its own that waits for that plan alone, so the read waits for nothing in
   practice, and on no thread of the trainer's; then it applies the plan on the
   side stream and counts it. (Read on the side stream, which first waits for
@@ -136,11 +136,11 @@ class DevicePlanning(Planning):
 
     def plan(self, ready: list[DevicePlan]) -> tuple[torch.Tensor, StepMoves]:
         """The step's slots stay on the device; its one move, for the executor, reads the
-        plans back once the stage's stream has made them (the event marked here), and
+        plans back once the stage's planning stream has made them (the event marked here), and
         only then: not after the trainer's step, as the side stream's work is."""
         step = ready[0].step
         slots = torch.cat([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
-        made = streams.mark(self.device)  # after the plans, on the stage's stream
+        made = streams.mark(self.device)  # after the plans, on the stage's planning stream
         return slots, [partial(self._move, ready, self._distinct.pop(step), made)]
 
     def _move(self, plans: Sequence[DevicePlan], distinct: torch.Tensor, made: object) -> None:

@@ -32,6 +32,14 @@ queued as that error, in its place; any other error ends the stage and is queued
 with the batch it happened at. ``close`` stops the threads, also while they
 wait on a full queue.
 
+The stage's device work runs on two streams of its own: the *lane* (a batch's copy to
+the device and its input dist, as TorchRec's copy and data-dist streams) and the
+*planning* stream (what planning puts on the device: the ids read back for a host
+planner, a device planner's kernels, the steps' slots), which waits for the lane's event
+after each batch's input dist. The input dist's own host waits (TorchRec reads split
+sizes back, on the trainer's thread when inline) so wait for distributing work only,
+not for a device planner's kernels queued beside it.
+
 The stage's threads must not slow the step they hide behind: where the
 trainer's OpenMP threads want every core, a planning thread of normal priority
 slows each step's compute (measured in ``docs/design.md``, "Threads"). So the
@@ -124,7 +132,9 @@ class LookaheadStage:
         self._check = check
         self._device = device
         self._queue: queue.Queue[StageItem] = queue.Queue(maxsize=QUEUE_DEPTH)
-        self._lane = streams.new_stream(device, "stage")  # its own stream (none on the CPU)
+        # Its own streams (none on the CPU): copies and input dists; planning.
+        self._lane = streams.new_stream(device, "stage")
+        self._planning = streams.new_stream(device, "planning")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._reader: _Reader | None = None  # inline: the reading thread
@@ -169,10 +179,10 @@ class LookaheadStage:
         """Give the trainer ``context``'s step: its stream waits for the stage's work on
         the batch, and every tensor of the context is marked as used on it (the batch,
         what the modules prepared -- a sharded module's distributed input, hot rows --
-        and the step's slots: all made on the stage's stream, all read by the step), so
+        and the step's slots: all made on the stage's streams, all read by the step), so
         the caching allocator does not hand their memory out again while the trainer
         may still read it."""
-        self._lane.current_waits(context.ready)
+        self._planning.current_waits(context.ready)
         streams.record_use(context, self._device)
 
     def close(self) -> None:
@@ -207,7 +217,7 @@ class LookaheadStage:
         """Read, distribute and plan the next batch; the end of data and errors become
         items."""
         read = self._read()
-        return self._plan(read, self._await(self._distribute(read)))
+        return self._plan(read, *self._await(self._distribute(read)))
 
     # ------------------------------------------------------------ inline
 
@@ -227,7 +237,7 @@ class LookaheadStage:
                 self._started.append((read, self._distribute(read)))
             if len(self._started) > 1 or self._read_all:
                 read, distributing = self._started.popleft()
-                self._planner.put(partial(self._plan, read, self._await(distributing)))
+                self._planner.put(partial(self._plan, read, *self._await(distributing)))
                 self._handed += 1
         item = self._planner.get()
         self._handed -= 1
@@ -245,7 +255,7 @@ class LookaheadStage:
             if self._vote is not None:
                 refusal = self._vote.agree(refusal)
             if refusal is None:
-                with self._lane.context():  # copied on the stage's stream, beside the trainer's
+                with self._lane.context():  # copied on the stage's lane, beside the trainer's
                     batch = batch.to(self._device, non_blocking=True)
             return _Read(batch, refusal)
         except (StopIteration, Exception) as error:  # the trainer raises it with its step
@@ -282,14 +292,17 @@ class LookaheadStage:
 
     def _await(
         self, distributing: list[Awaitable[Any]] | BaseException | None
-    ) -> list[Any] | BaseException | None:
-        """What :meth:`_distribute` started, waited for: each module's distributed batch."""
+    ) -> tuple[list[Any] | BaseException | None, Any]:
+        """What :meth:`_distribute` started, waited for: each module's distributed batch,
+        and the lane's event after it (what planning waits for; ``None`` where nothing
+        was distributed)."""
         if not isinstance(distributing, list):
-            return distributing
-        return self._distributing(lambda: [started.wait() for started in distributing])
+            return distributing, None
+        distributed = self._distributing(lambda: [started.wait() for started in distributing])
+        return distributed, self._lane.record()
 
     def _distributing(self, call: Callable[[], list[Any]]) -> list[Any] | BaseException:
-        """``call`` on the stage's stream, its CPU time counted; its error, if it fails."""
+        """``call`` on the stage's lane, its CPU time counted; its error, if it fails."""
         start = time.thread_time()
         try:
             with self._lane.context():
@@ -299,9 +312,12 @@ class LookaheadStage:
         finally:
             self.timings["input_dist_s"] += time.thread_time() - start
 
-    def _plan(self, read: _Read, distributed: list[Any] | BaseException | None) -> StageItem:
-        """Let a distributed batch into the window and plan it (a refused one, on every
-        rank, goes no further); the end of the data finishes the window."""
+    def _plan(
+        self, read: _Read, distributed: list[Any] | BaseException | None, at: Any = None
+    ) -> StageItem:
+        """Let a distributed batch into the window and plan it, on the planning stream
+        after the lane's event ``at`` (a refused batch, on every rank, goes no further);
+        the end of the data finishes the window."""
         if isinstance(read.failure, StopIteration):
             return self._finish()
         if read.failure is not None:
@@ -313,9 +329,11 @@ class LookaheadStage:
         assert distributed is not None
         start = time.thread_time()
         try:
-            with self._lane.context():  # the stage's device work, beside the trainer's
+            self._planning.wait_for(at)
+            with self._planning.context():  # the stage's planning, beside the trainer's
+                streams.record_use([read.batch, distributed], self._device)  # made on the lane
                 item = self._enter(read.batch, distributed)
-            item.ready = self._lane.record()
+            item.ready = self._planning.record()
             if item.context is not None:
                 item.context.ready = item.ready
             return item
@@ -341,10 +359,10 @@ class LookaheadStage:
     def _finish(self) -> StageItem:
         start = time.thread_time()
         item = StageItem(end=True)
-        with self._lane.context():  # the last steps' slots, made on the stage's stream too
+        with self._planning.context():  # the last steps' slots, made there too
             for module in self._modules:
                 item.plans.extend(module.finish())
-        item.ready = self._lane.record()
+        item.ready = self._planning.record()
         self.timings["plan_s"] += time.thread_time() - start
         return item
 

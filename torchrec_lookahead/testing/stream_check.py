@@ -305,6 +305,12 @@ class StreamChecker(streams.StreamBackend):
             track = self._tracks.get(id(tensor.untyped_storage()))
             return {self._names[s] for s in track.recorded} if track is not None else set()
 
+    def streams_named(self, role: str) -> list[int]:
+        """The streams made for ``role`` (see :func:`torchrec_lookahead.streams.new_stream`)."""
+        with self._lock:
+            named = f"the {role} stream"
+            return [i for i, name in enumerate(self._names) if name.startswith(named)]
+
     def stream_name(self, stream: int) -> str:
         """How messages name stream ``stream`` (``TRAINER``: the trainer's)."""
         return self._names[stream]
