@@ -478,7 +478,7 @@ def test_the_executor_reads_a_device_plan_back_without_waiting_for_the_trainer()
         if wait.waiter is not None and wait.stream == TRAINER:  # the side stream: an issue point
             issues.add(wait.follows(TRAINER))
         elif wait.waiter is None:
-            if "_to_host" in wait.site:  # a plan read back
+            if "(to_host) <- cache/device_plans.py" in wait.site:  # a plan read back
                 assert wait.follows(TRAINER) <= known, f"it waits for the trainer: {wait.site}"
                 reads += 1
             known = max(known, wait.follows(TRAINER))

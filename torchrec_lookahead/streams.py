@@ -54,6 +54,7 @@ __all__ = [
     "record_use",
     "side_stream",
     "to_device",
+    "to_host",
     "use_backend",
 ]
 
@@ -222,6 +223,19 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cpu" and tensor.device.type == "cpu" and not tensor.is_pinned():
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in host memory, once the calling thread's current stream has made it:
+    copied into page-locked memory without blocking (a copy into pageable memory is
+    staged through a pinned buffer by the driver, several times slower), then the host
+    waits for an event recorded after the copy on that stream. On the CPU: ``tensor``."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host_side(host).copy_(tensor, non_blocking=True)
+    mark(tensor.device).synchronize()
+    return host
 
 
 def host_side(tensor: torch.Tensor) -> torch.Tensor:

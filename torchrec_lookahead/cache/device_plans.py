@@ -153,7 +153,8 @@ class DevicePlanning(Planning):
         with readback.context():  # the reads wait for the stage's plan, not the trainer's step
             streams.record_use([plans, distinct], self.device)  # read here, freed elsewhere
             flags = [torch.stack([p.bad_ids, p.overflow]).to(torch.int64) for p in plans]
-            head = self._to_host(torch.cat([distinct, *flags, *[p.counts for p in plans]]))
+            packed = torch.cat([distinct, *flags, *[p.counts for p in plans]])
+            head = streams.to_host(packed).numpy()
             if head[len(distinct) : len(distinct) + len(flags) * 2].any():
                 raise RuntimeError(
                     f"the device's plan of step {plans[0].step} is void (an id outside its "
@@ -161,7 +162,9 @@ class DevicePlanning(Planning):
                 )
             counts = head[len(distinct) + len(flags) * 2 :].reshape(len(plans), 2).tolist()
             moves = torch.cat([p.moves(*n) for p, n in zip(plans, counts)])
-            parts = np.split(self._to_host(moves), np.cumsum([2 * sum(n) for n in counts])[:-1])
+            parts = np.split(
+                streams.to_host(moves).numpy(), np.cumsum([2 * sum(n) for n in counts])[:-1]
+            )
         trimmed = [
             trimmed_plan(plan.step, n[0], n[1], part) for plan, n, part in zip(plans, counts, parts)
         ]
@@ -178,17 +181,6 @@ class DevicePlanning(Planning):
         for p, plan in enumerate(trimmed):
             if len(plan.fetch_ids) or len(plan.evict_ids):
                 self.cache.apply(p, plan)
-
-    def _to_host(self, tensor: torch.Tensor) -> np.ndarray:
-        """``tensor`` (on the read-back stream) in host memory: copied into page-locked
-        memory without blocking the stream; the host then waits for that stream."""
-        if tensor.device.type == "cpu":
-            return tensor.numpy()
-        assert self._readback is not None, "read back in a move"
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        streams.host_side(host).copy_(tensor, non_blocking=True)
-        self._readback.drain()
-        return host.numpy()
 
     @property
     def _device_constants(self) -> list[torch.Tensor]:

@@ -59,7 +59,7 @@ class HostPlanning(Planning):
         step: int,
     ) -> list[tuple[Any, int]]:
         layout = self.layout
-        values = features.values().cpu().numpy()
+        values = streams.to_host(features.values()).numpy()
         lengths = np.asarray(features.length_per_key(), dtype=np.int64)
         if lengths.sum() != len(values):  # the compiled pass reads what the lengths say
             raise ValueError(
