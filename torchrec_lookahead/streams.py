@@ -28,7 +28,11 @@ The orderings, as the pipeline uses them:
    distributed input, the step's slots) are marked as used there
    (:func:`record_use`), so that the caching allocator does not hand their
    memory out again while that stream may still read it.
-5. A plan made on the device is read back on a stream of its own
+5. The stage plans on a stream of its own (``role="planning"``), which waits
+   for the event its lane (``role="stage"``: copies, input dists) records after
+   each batch's input dist; the lane never waits for it, so the input dist's
+   host waits do not wait for planning.
+6. A plan made on the device is read back on a stream of its own
    (:func:`new_stream`, ``role="readback"``) that waits for the stage's event
    after the plan and nothing else: on the side stream, after the issue point,
    the host's read would wait for the trainer's previous step.
@@ -151,11 +155,10 @@ class StreamBackend:
 
 # The stage's streams (a batch's copy to the device and its input dist; its planning: a
 # device planner's plan, the steps' slots) are made at a higher priority than the
-# trainer's, as TorchRec's
-# ``TrainPipelineSparseDist`` makes its copy and data-dist streams (priority -1): the few
-# kernels a step soon waits for are scheduled before the model's queued ones. The side
-# stream's moves are issued ``d`` steps ahead, at the default priority, as TorchRec's
-# prefetch stream is.
+# trainer's, as TorchRec's ``TrainPipelineSparseDist`` makes its copy and data-dist
+# streams (priority -1): the few kernels a step soon waits for are scheduled before the
+# model's queued ones. The side stream's moves are issued ``d`` steps ahead, at the
+# default priority, as TorchRec's prefetch stream is.
 PRIORITIES = {"stage": -1, "planning": -1}
 
 _BACKEND = StreamBackend()

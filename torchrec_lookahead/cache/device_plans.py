@@ -14,12 +14,12 @@ device and the stage's planning stream. :class:`DevicePlanning` is that
 * ``enter``: each table's distinct ids, counted on the device;
 * ``plan``: the step's slots stay on the device; its one move, run by the
   executor, reads the plan back (its counts, its moves, the step's distinct
-  ids per table) ``L - d`` steps after the stage's planning stream made it, on a stream
-  of its own that waits for that plan alone, so the read waits for nothing in
-  practice, and on no thread of the trainer's; then it applies the plan on the
-  side stream and counts it. (Read on the side stream, which first waits for
-  the trainer to reach the step's issue point, the executor's host would wait
-  for the device to finish the step before that one.)
+  ids per table) ``L - d`` steps after the stage's planning stream made it,
+  on a stream of its own that waits for that plan alone, so the read waits
+  for nothing in practice, and on no thread of the trainer's; then it applies
+  the plan on the side stream and counts it. (Read on the side stream, which
+  first waits for the trainer to reach the step's issue point, the executor's
+  host would wait for the device to finish the step before that one.)
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ class DevicePlanning(Planning):
 
     def plan(self, ready: list[DevicePlan]) -> tuple[torch.Tensor, StepMoves]:
         """The step's slots stay on the device; its one move, for the executor, reads the
-        plans back once the stage's planning stream has made them (the event marked here), and
-        only then: not after the trainer's step, as the side stream's work is."""
+        plans back once the stage's planning stream has made them (the event marked
+        here), and only then: not after the trainer's step, as the side stream's work is."""
         step = ready[0].step
         slots = torch.cat([plan.slots for plan in ready]) if len(ready) > 1 else ready[0].slots
         made = streams.mark(self.device)  # after the plans, on the stage's planning stream

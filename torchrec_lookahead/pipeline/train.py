@@ -54,10 +54,11 @@ class LookaheadTrainPipeline(TrainPipeline):
 
     ``planner`` says where each step's plan is made: ``"host"`` (the default: the numba
     oracle, a batch's ids copied to the host) or ``"device"`` (the device oracle, on the
-    cache's device and the stage's planning stream: no id leaves the device, and the host's part
-    of planning is launching kernels and reading each plan back on the executor's
-    thread; not for a disk store's tables, nor with ``planning_workers > 1``). Plans and
-    training are the same either way (:mod:`~torchrec_lookahead.cache.device_plans`).
+    cache's device and the stage's planning stream: no id leaves the device, and the
+    host's part of planning is launching kernels and reading each plan back on the
+    executor's thread; not for a disk store's tables, nor with ``planning_workers > 1``).
+    Plans and training are the same either way
+    (:mod:`~torchrec_lookahead.cache.device_plans`).
 
     ``stage_thread`` runs the stage on its own thread (``True``; the default on the
     CPU), which takes only the cycles the trainer leaves idle (see
@@ -246,8 +247,9 @@ class LookaheadTrainPipeline(TrainPipeline):
                         context.plan = plan
                     else:
                         context.plan.merge(plan)
-                    # The step's slots were made on the stage's planning stream with this item: the
-                    # step's hand-over waits for it (a later event than its batch's own).
+                    # The step's slots were made on the stage's planning stream with this
+                    # item: the step's hand-over waits for it (a later event than its
+                    # batch's own).
                     context.ready = item.ready
                 if item.end:
                     self._data_done = True
