@@ -490,8 +490,8 @@ def test_the_stages_stream_has_the_priority_of_torchrecs_data_dist_stream() -> N
     its input dist on streams of a higher priority than the model's, so their few kernels
     go before the model's queued ones; the stage does that work on its lane, and its
     planning (a device planner's plans, the steps' slots) on a stream of its own, both
-    made at the same priority. The side stream's moves, issued
-    ``d`` steps ahead, keep the default priority, as TorchRec's prefetch stream does."""
+    made at the same priority. The side stream's moves, issued ``d`` steps ahead, keep
+    the default priority, as TorchRec's prefetch stream does."""
     with FakeCuda(CUDA) as fake, HostCounter(fake):  # torch.cuda's streams stood in for
         model = torch.nn.Linear(2, 1).to(CUDA)
         plain = TrainPipelineSparseDist(model, torch.optim.SGD(model.parameters(), lr=0.1), CUDA)
