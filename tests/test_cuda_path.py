@@ -501,6 +501,10 @@ def test_the_stages_stream_has_the_priority_of_torchrecs_data_dist_stream() -> N
         assert stage._lane._stream.priority == min(made)
         assert stage._planning._stream.priority == min(made)
         assert streams.side_stream(CUDA)._stream.priority == 0
+        # Device plans are read back on one stream per device, never the side stream (CUDA
+        # draws each new stream from a small pool per priority, in turn).
+        readback = streams.readback_stream(CUDA)
+        assert readback is streams.readback_stream("cuda") and readback._stream.priority < 0
 
 
 @pytest.mark.parametrize("planner", PLANNERS)
@@ -539,3 +543,68 @@ def test_planning_runs_on_a_stream_of_its_own_beside_the_input_dist(planner: str
     assert lane in streams_of["lookahead-reader"]  # the batches' copies to the device
     lane_waits = [w for w in checker.waits if w.waiter == lane]
     assert not [w for w in lane_waits if w.stream in planning]
+
+
+def test_no_view_of_a_read_back_buffer_is_copied_to_the_device(monkeypatch) -> None:
+    """``streams.to_host`` reads into a page-locked buffer that goes back to the caching
+    host allocator when freed, which knows of no use of it but that copy. On a GPU a view
+    of it handed to ``streams.to_device`` counts as page-locked and is copied from in
+    place, on the side stream, possibly after the buffer went to another read. So what a
+    move copies to the device (a device plan's slots and ids) is copied out of it first."""
+    buffers: list[torch.Tensor] = []  # kept alive, so that no address is reused meanwhile
+    inside: list[str] = []
+    to_host, to_device = streams.to_host, streams.to_device
+
+    def reading(tensor: torch.Tensor) -> torch.Tensor:
+        buffers.append(to_host(tensor))
+        return buffers[-1]
+
+    def copying(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+        if tensor.device.type == "cpu" and tensor.numel():
+            at = tensor.data_ptr()
+            for b in buffers:
+                if b.data_ptr() <= at < b.data_ptr() + b.numel() * b.element_size():
+                    inside.append(threading.current_thread().name)
+        return to_device(tensor, device)
+
+    monkeypatch.setattr(streams, "to_host", reading)
+    monkeypatch.setattr(streams, "to_device", copying)
+    with fake_cuda():
+        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.05, device=CUDA)
+        model.over.to(CUDA)
+        model.eval()
+        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+        with (
+            torch.no_grad(),
+            LookaheadTrainPipeline(model, dense, CUDA, lookahead=4, planner="device") as pipeline,
+        ):
+            it = iter(DATA)
+            for _ in range(8):
+                pipeline.progress(it)
+    assert len(buffers) >= 2 * 8 and inside == []
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_a_cache_grows_through_the_cuda_path(planner: str) -> None:
+    """A window wider than the cache grows it between steps, on the trainer's thread: the
+    rows and their optimizer state are copied into the new TBE on the trainer's stream,
+    which the next moves wait for, and the old TBE's memory (made by the stage) is
+    marked used there. Unreachable under fake CUDA until ``Tensor.copy_`` of a fake
+    tensor went through the operator (its binding asks for the CUDA device guard)."""
+    widening = batches(1, batch_size=2) + batches(8, batch_size=256, seed=3)
+    with fake_cuda():
+        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.01, device=CUDA)
+        model.over.to(CUDA)
+        model.eval()
+        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+        with (
+            torch.no_grad(),
+            LookaheadTrainPipeline(model, dense, CUDA, lookahead=3, planner=planner) as pipeline,
+        ):
+            it, steps = iter(widening), 0
+            with pytest.raises(StopIteration):
+                while True:
+                    pipeline.progress(it)
+                    steps += 1
+            assert steps == len(widening)
+            assert pipeline.cache_metrics()["total"].growths > 0

@@ -33,9 +33,9 @@ The orderings, as the pipeline uses them:
    each batch's input dist; the lane never waits for it, so the input dist's
    host waits do not wait for planning.
 6. A plan made on the device is read back on a stream of its own
-   (:func:`new_stream`, ``role="readback"``) that waits for the stage's event
-   after the plan and nothing else: on the side stream, after the issue point,
-   the host's read would wait for the trainer's previous step.
+   (:func:`readback_stream`) that waits for the stage's event after the plan and
+   nothing else: on the side stream, after the issue point, the host's read
+   would wait for the trainer's previous step.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ __all__ = [
     "host_side",
     "mark",
     "new_stream",
+    "readback_stream",
     "normalize",
     "record_use",
     "side_stream",
@@ -158,24 +159,37 @@ class StreamBackend:
 # trainer's, as TorchRec's ``TrainPipelineSparseDist`` makes its copy and data-dist
 # streams (priority -1): the few kernels a step soon waits for are scheduled before the
 # model's queued ones. The side stream's moves are issued ``d`` steps ahead, at the
-# default priority, as TorchRec's prefetch stream is.
-PRIORITIES = {"stage": -1, "planning": -1}
+# default priority, as TorchRec's prefetch stream is. The read-back stream's few small
+# copies go at -1 too: CUDA draws streams of each priority from a pool of its own, so it
+# is never the side stream, whose wait for the trainer it exists to avoid.
+PRIORITIES = {"stage": -1, "planning": -1, "readback": -1}
 
 _BACKEND = StreamBackend()
-_STREAMS: dict[torch.device, SideStream] = {}
+_STREAMS: dict[tuple[torch.device, str], SideStream] = {}  # per device and role
 
 
 def side_stream(device: torch.device | str) -> SideStream:
     """The side stream of ``device`` that row moves run on (one per device and process)."""
-    device = normalize(device)
-    if device not in _STREAMS:
-        _STREAMS[device] = _BACKEND.make(device, "side")
-    return _STREAMS[device]
+    return _shared(device, "side")
+
+
+def readback_stream(device: torch.device | str) -> SideStream:
+    """The stream of ``device`` that device plans are read back on (one per device and
+    process: each new stream is drawn from CUDA's small pool in turn, so one per window
+    could come round to the side stream itself)."""
+    return _shared(device, "readback")
+
+
+def _shared(device: torch.device | str, role: str) -> SideStream:
+    key = (normalize(device), role)
+    if key not in _STREAMS:
+        _STREAMS[key] = _BACKEND.make(key[0], role)
+    return _STREAMS[key]
 
 
 def new_stream(device: torch.device | str, role: str) -> SideStream:
     """A stream of ``device`` of its own (the lookahead stage's: ``role="stage"`` and
-    ``"planning"``; a device plan's read-back: ``role="readback"``)."""
+    ``"planning"``)."""
     return _BACKEND.make(normalize(device), role)
 
 
@@ -232,7 +246,12 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in host memory, once the calling thread's current stream has made it:
     copied into page-locked memory without blocking (a copy into pageable memory is
     staged through a pinned buffer by the driver, several times slower), then the host
-    waits for an event recorded after the copy on that stream. On the CPU: ``tensor``."""
+    waits for an event recorded after the copy on that stream. On the CPU: ``tensor``.
+
+    The buffer goes back to the caching host allocator when the result is freed, and
+    the allocator knows of no use of it but this copy: copy out what a stream will read
+    later (a view of it handed to :func:`to_device` is copied without a new buffer, and
+    its memory could be handed out again while that copy waits)."""
     if tensor.device.type == "cpu":
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)

@@ -67,7 +67,6 @@ class DevicePlanning(Planning):
             *[pool.offsets[1:-1] for pool in layout.pools],
         ]
         self._constants: list[torch.Tensor] = []
-        self._readback: streams.SideStream | None = None  # made by the first move
 
     def new_oracle(self, slots: int, pool: int) -> CachePlanner[Any]:
         w = self.window
@@ -146,9 +145,7 @@ class DevicePlanning(Planning):
     def _move(self, plans: Sequence[DevicePlan], distinct: torch.Tensor, made: object) -> None:
         """Apply one step's ``plans`` (one per pool, made before the stage's event ``made``)
         and count them with the step's ``distinct`` ids per table. Run by the executor."""
-        if self._readback is None:
-            self._readback = streams.new_stream(self.device, "readback")
-        readback = self._readback
+        readback = streams.readback_stream(self.device)
         readback.wait_for(made)
         with readback.context():  # the reads wait for the stage's plan, not the trainer's step
             streams.record_use([plans, distinct], self.device)  # read here, freed elsewhere
@@ -162,9 +159,10 @@ class DevicePlanning(Planning):
                 )
             counts = head[len(distinct) + len(flags) * 2 :].reshape(len(plans), 2).tolist()
             moves = torch.cat([p.moves(*n) for p, n in zip(plans, counts)])
-            parts = np.split(
-                streams.to_host(moves).numpy(), np.cumsum([2 * sum(n) for n in counts])[:-1]
-            )
+            # Copied out of the page-locked buffer: the moves' copies of these arrays to the
+            # device, on the side stream, would read it after it went back to the allocator.
+            moved = streams.to_host(moves).numpy().copy()
+            parts = np.split(moved, np.cumsum([2 * sum(n) for n in counts])[:-1])
         trimmed = [
             trimmed_plan(plan.step, n[0], n[1], part) for plan, n, part in zip(plans, counts, parts)
         ]

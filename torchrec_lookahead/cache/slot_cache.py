@@ -111,6 +111,9 @@ class SlotCache:
                 self.slot_ids[p][: len(held)] = held
             set_learning_rate(self.tbe, old.get_learning_rate())
             self.tbe.iter.copy_(old.iter)
+            # The old TBE's memory may come from another stream's pool (the stage's, which
+            # built it): it must not go back there before the copies above have read it.
+            streams.record_use([rows, old.iter], self.device)
             self._side.wait_for(streams.mark(self.device))
 
     def _build(self, slots: Sequence[int]) -> None:

@@ -277,9 +277,6 @@ class _CountFunctions(TorchFunctionMode):
             # the operator a GPU build dispatches them to
             indices = [None if isinstance(k, slice) else k for k in args[1]]
             return aten.index.Tensor(args[0], indices)
-        elif name == "copy_" and any(is_fake(a) for a in args[:2]):
-            # Tensor.copy_'s binding asks the CUDA device guard a CPU build lacks first
-            return aten.copy_.default(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 

@@ -82,10 +82,18 @@ class HotInput:
             return self._union
 
     def record_stream(self, stream: torch.Stream) -> None:
-        """Mark its device tensors as used on ``stream`` (made on the stage's stream)."""
-        split, union = self.split, self.union()
+        """Mark its device tensors as used on ``stream`` (made on the stage's streams): the
+        split's, and the union's once resolved. Marking never resolves it: the stage's
+        planning marks the batch before the exchange is due, and a step resolves a union
+        still open on its own stream."""
+        with self._lock:
+            union = self._union
+        split = self.split
         pairs = [t for pair in split.lookups for t in pair]
-        for tensor in (split.rows, split.bags, split.touched, *pairs, union.rows, union.positions):
+        tensors = [split.rows, split.bags, split.touched, *pairs]
+        if union is not None:
+            tensors += [union.rows, union.positions]
+        for tensor in tensors:
             tensor.record_stream(stream)
 
 
