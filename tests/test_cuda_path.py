@@ -448,6 +448,30 @@ def test_an_unsharded_window_runs_end_to_end_on_fake_cuda(planner: str) -> None:
         assert checker.operators > 0
 
 
+def _train_on_fake_cuda(
+    planner: str, data: list[Batch], steps: int | None, cache_load_factor: float = 0.05, **window
+) -> tuple[int, int]:
+    """``steps`` steps (``None``: to the end of ``data``) of a window on fake CUDA, forward
+    only (see the module), inside the caller's ``fake_cuda()`` block: the steps run and
+    how often the caches grew."""
+    model = lookahead_model("rowwise_adagrad", cache_load_factor=cache_load_factor, device=CUDA)
+    model.over.to(CUDA)
+    model.eval()
+    dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+    with (
+        torch.no_grad(),
+        LookaheadTrainPipeline(model, dense, CUDA, planner=planner, **window) as pipeline,
+    ):
+        it, done = iter(data), 0
+        try:
+            while steps is None or done < steps:
+                pipeline.progress(it)
+                done += 1
+        except StopIteration:
+            assert steps is None, "the data ended early"
+        return done, pipeline.cache_metrics()["total"].growths
+
+
 def test_the_executor_reads_a_device_plan_back_without_waiting_for_the_trainer() -> None:
     """``planner="device"``: the executor reads each plan back on a stream of its own that
     waits for the stage's plan alone, so the read adds no wait for the trainer's stream.
@@ -458,19 +482,7 @@ def test_the_executor_reads_a_device_plan_back_without_waiting_for_the_trainer()
     much of the trainer's stream from a wait of its own (a write-back into host memory
     waits for the step's updates), and then the read asks no more."""
     with fake_cuda() as (_, checker):
-        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.05, device=CUDA)
-        model.over.to(CUDA)
-        model.eval()
-        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
-        with (
-            torch.no_grad(),
-            LookaheadTrainPipeline(
-                model, dense, CUDA, lookahead=4, prefetch_distance=1, planner="device"
-            ) as pipeline,
-        ):
-            it = iter(DATA)
-            for _ in range(8):
-                pipeline.progress(it)
+        _train_on_fake_cuda("device", DATA, 8, lookahead=4, prefetch_distance=1)
     known, reads, issues = 0, 0, set()  # the trainer's operators the executor's host waited for
     for wait in checker.waits:
         if wait.thread != "lookahead-executor":
@@ -526,17 +538,7 @@ def test_planning_runs_on_a_stream_of_its_own_beside_the_input_dist(planner: str
             return operator(func, args, kwargs)
 
         checker.operator = attributed  # type: ignore[method-assign]
-        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.05, device=CUDA)
-        model.over.to(CUDA)
-        model.eval()
-        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
-        with (
-            torch.no_grad(),
-            LookaheadTrainPipeline(model, dense, CUDA, lookahead=4, planner=planner) as pipeline,
-        ):
-            it = iter(DATA)
-            for _ in range(6):
-                pipeline.progress(it)
+        _train_on_fake_cuda(planner, DATA, 6, lookahead=4)
         (lane,) = checker.streams_named("stage")
     planning = streams_of["lookahead-planner"]
     assert planning and lane not in planning and TRAINER not in planning
@@ -570,17 +572,7 @@ def test_no_view_of_a_read_back_buffer_is_copied_to_the_device(monkeypatch) -> N
     monkeypatch.setattr(streams, "to_host", reading)
     monkeypatch.setattr(streams, "to_device", copying)
     with fake_cuda():
-        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.05, device=CUDA)
-        model.over.to(CUDA)
-        model.eval()
-        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
-        with (
-            torch.no_grad(),
-            LookaheadTrainPipeline(model, dense, CUDA, lookahead=4, planner="device") as pipeline,
-        ):
-            it = iter(DATA)
-            for _ in range(8):
-                pipeline.progress(it)
+        _train_on_fake_cuda("device", DATA, 8, lookahead=4)
     assert len(buffers) >= 2 * 8 and inside == []
 
 
@@ -593,18 +585,7 @@ def test_a_cache_grows_through_the_cuda_path(planner: str) -> None:
     tensor went through the operator (its binding asks for the CUDA device guard)."""
     widening = batches(1, batch_size=2) + batches(8, batch_size=256, seed=3)
     with fake_cuda():
-        model = lookahead_model("rowwise_adagrad", cache_load_factor=0.01, device=CUDA)
-        model.over.to(CUDA)
-        model.eval()
-        dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
-        with (
-            torch.no_grad(),
-            LookaheadTrainPipeline(model, dense, CUDA, lookahead=3, planner=planner) as pipeline,
-        ):
-            it, steps = iter(widening), 0
-            with pytest.raises(StopIteration):
-                while True:
-                    pipeline.progress(it)
-                    steps += 1
-            assert steps == len(widening)
-            assert pipeline.cache_metrics()["total"].growths > 0
+        steps, growths = _train_on_fake_cuda(
+            planner, widening, None, cache_load_factor=0.01, lookahead=3
+        )
+    assert steps == len(widening) and growths > 0
