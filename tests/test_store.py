@@ -47,3 +47,18 @@ def test_tables_not_back_to_back_are_not_joined() -> None:
     assert gap.joined([0, 1]) is None
     mixed = tbe_store([5, 7], [4, 8])
     assert mixed.joined([0, 1]) is None  # rows of different widths
+
+
+def test_a_join_is_found_once_and_again_after_the_state_is_reallocated() -> None:
+    """Every move asks for its pool's join; it is found once, and found again when
+    ``allocate_states`` replaces the optimizer state it would otherwise still view."""
+    weights = torch.zeros(12, 4)
+    store = HostStore([weights[:5], weights[5:]])
+    joined = store.joined([0, 1])
+    assert joined is not None and store.joined([0, 1]) is joined
+    assert joined.states == [[]]
+    store.allocate_states([[torch.Size([4])], [torch.Size([4])]])
+    rejoined = store.joined([0, 1])
+    assert rejoined is not joined
+    if rejoined is not None:  # the new state tensors happened to lie back to back
+        assert rejoined.states[0][0].data_ptr() == store.states[0][0].data_ptr()

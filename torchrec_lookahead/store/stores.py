@@ -50,6 +50,7 @@ class HostStore:
             for table in states or [[]] * len(weights)
         ]
         self._pin = pin or self.on_device  # rows to and from a GPU go through pinned staging
+        self._joined: dict[tuple[int, ...], HostStore | None] = {}  # joined's, per tables
 
     @property
     def on_device(self) -> bool:
@@ -70,6 +71,7 @@ class HostStore:
 
     def allocate_states(self, shapes: Sequence[Sequence[torch.Size]]) -> None:
         """Zero optimizer state per table; ``shapes[t]`` are its per-row state shapes."""
+        self._joined.clear()
         self.states = [
             [
                 streams.host_side(self._zeros(t, k, (len(w), *shape)))
@@ -110,14 +112,17 @@ class HostStore:
 
         A pool of such tables then moves its rows with one gather or scatter per
         tensor instead of one per table (the per-table calls dominated writing
-        back a 26-table cache).
+        back a 26-table cache). Found once per ``tables``, until the optimizer state
+        is reallocated: every move asks for it, and the tensors do not move.
         """
-        columns = zip(*([self.weights[t], *self.states[t]] for t in tables))
-        found = [_back_to_back(list(tensors)) for tensors in columns]
-        joined = [tensor for tensor in found if tensor is not None]
-        if len(joined) < len(found):
-            return None
-        return HostStore(joined[:1], self._pin, [joined[1:]])
+        key = tuple(tables)
+        if key not in self._joined:
+            columns = zip(*([self.weights[t], *self.states[t]] for t in key))
+            found = [_back_to_back(list(tensors)) for tensors in columns]
+            joined = [tensor for tensor in found if tensor is not None]
+            whole = len(joined) == len(found)
+            self._joined[key] = HostStore(joined[:1], self._pin, [joined[1:]]) if whole else None
+        return self._joined[key]
 
     def scatter(
         self, table: int, ids: torch.Tensor, weights: torch.Tensor, states: Sequence[torch.Tensor]
