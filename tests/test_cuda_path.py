@@ -327,6 +327,40 @@ def test_moves_copy_between_host_and_device_without_blocking(store_on_device) ->
             assert to_host and len(to_host) < len(fake.transfers)  # both ways were seen
 
 
+def test_a_write_back_into_host_memory_waits_on_the_host_after_the_fetches(monkeypatch) -> None:
+    """A step that evicts into a store in host memory and fetches: the executor's host
+    waited for the side stream (for the read rows, and with it for the trainer's issue
+    point) before it issued the step's fetches. It now issues them first: every copy
+    of the step to the device is queued when its host waits; the rows still land."""
+    with pooled_cache(store_on_device=False) as pooled:
+        pooled.apply(plan(0, fetch=[1, 7], fetch_slots=[0, 1]))
+        pooled.bump_cached_rows()
+        before = pooled.store_rows()
+
+        def copies() -> int:
+            return sum(t.to_device for t in pooled.fake.transfers)
+
+        queued_at_waits = []
+        side = type(streams.side_stream(CUDA))  # the stream checker's
+        drain = side.drain
+
+        def probed(stream: streams.SideStream) -> None:
+            queued_at_waits.append(copies())
+            drain(stream)
+
+        monkeypatch.setattr(side, "drain", probed)
+        pooled.apply(plan(1, fetch=[4, 10], fetch_slots=[0, 2], evict=[1], evict_slots=[0]))
+        assert queued_at_waits == [copies()]
+        after = pooled.store_rows()
+        before[0][1] += 1  # table 0, row 1, bumped in the cache, written back
+        for got, want in zip(after, before):
+            assert torch.equal(got, want)
+        monkeypatch.undo()
+        pooled.cache.write_back_all()  # slot 0 holds row 4 (table 0), slot 2 row 10
+        final = pooled.store_rows()
+        assert torch.equal(final[0][4], after[0][4]) and torch.equal(final[2][4], after[2][4])
+
+
 # ------------------------------------------------------------ streams
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -22,6 +22,8 @@ from torchrec_lookahead.tbe import set_learning_rate, training_tbe
 from torchrec_lookahead.variable_batch import padded_lookup
 
 __all__ = ["SlotCache"]
+
+StoreWrite = Callable[[], None]  # the host's part of a write-back into host memory
 
 
 def _host_index(ids: np.ndarray) -> torch.Tensor:
@@ -178,12 +180,22 @@ class SlotCache:
         )
 
     def apply(self, pool: int, plan: CachePlan) -> None:
-        """Write back ``plan``'s evicted rows, then fetch its rows."""
+        """Write back ``plan``'s evicted rows, then fetch its rows.
+
+        The evicted slots are read before the fetched rows land in them (both on the
+        side stream, in that order). A store in host memory is written once the read
+        rows reach the host, after the fetches are issued: the executor's host waits
+        for the side stream (and with it for the trainer's issue point) only then, not
+        before its fetches. The fetched rows are not the evicted ones (a step's rows
+        are not its victims), so they do not read what is still to be written."""
         with self._lock:
+            store_rows = None
             if len(plan.evict_ids):
-                self._write_back(pool, plan.evict_ids, plan.evict_slots)
+                store_rows = self._write_back(pool, plan.evict_ids, plan.evict_slots)
             if len(plan.fetch_ids):
                 self._fetch(pool, plan.fetch_ids, plan.fetch_slots)
+            if store_rows is not None:
+                store_rows()
 
     def write_back_all(self) -> None:
         """Write every occupied slot back to the store; the rows stay cached. Called on the
@@ -192,10 +204,16 @@ class SlotCache:
         on CUDA, is written on the side stream)."""
         with self._lock:
             self._side.wait_for(streams.mark(self.device))
+            store_rows = []
             for p, ids in enumerate(self.slot_ids):
                 slots = torch.nonzero(ids >= 0).flatten()
                 if len(slots):
-                    self._copy_out(p, ids[slots].numpy(), streams.host_side(slots))
+                    store_rows.append(
+                        self._copy_out(p, ids[slots].numpy(), streams.host_side(slots))
+                    )
+            for write in store_rows:
+                if write is not None:
+                    write()
             self._side.current_waits(self._side.record())
 
     def clear(self) -> None:
@@ -219,19 +237,21 @@ class SlotCache:
 
     # The moves below hold the lock (taken by the public methods above).
 
-    def _write_back(self, pool: int, ids: np.ndarray, slots: np.ndarray) -> None:
+    def _write_back(self, pool: int, ids: np.ndarray, slots: np.ndarray) -> StoreWrite | None:
         slot_index = _host_index(slots)
-        self._copy_out(pool, ids, slot_index)
+        store_rows = self._copy_out(pool, ids, slot_index)
         self.slot_ids[pool][slot_index] = -1
+        return store_rows
 
-    def _copy_out(self, pool: int, ids: np.ndarray, slots: torch.Tensor) -> None:
-        """The rows in ``slots`` (a host index) to the store, on the side stream, after
+    def _copy_out(self, pool: int, ids: np.ndarray, slots: torch.Tensor) -> StoreWrite | None:
+        """The rows in ``slots`` (a host index) to the store, read on the side stream after
         every move queued before (a fetch into these slots may not have landed yet).
 
         A store on the device (TorchRec's UVM tables under DMP on CUDA) takes the rows
         straight from the cache there: one crossing of the host link, the UVM write, and
-        no wait on the host. A store in host memory gets them through host memory (pinned
-        staging on a GPU), written by the host once they are there."""
+        no wait on the host; returns None. A store in host memory gets them through host
+        memory (pinned staging on a GPU): returns the host's part, to call when nothing
+        more is to be queued first, which waits for the side stream and writes them."""
         tensors = (self._weights[pool], *self._states[pool])
         store, parts = self._store_parts(pool, ids)
         if self.store.on_device:
@@ -254,8 +274,12 @@ class SlotCache:
                     host.copy_(cached.index_select(0, index), non_blocking=True)
 
         self._side.run(read)
-        self._side.drain()  # the rows are in host memory now
-        _scatter(store, parts, staged)
+
+        def write() -> None:
+            self._side.drain()  # the rows are in host memory now
+            _scatter(store, parts, staged)
+
+        return write
 
     def _store_parts(
         self, pool: int, ids: np.ndarray
