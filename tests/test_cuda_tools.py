@@ -10,14 +10,17 @@ fake with real values behind them, and refuse device mismatches as a GPU does.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import torchrec_lookahead.streams as streams
-from torchrec_lookahead._compat import is_fake
+from torchrec_lookahead._compat import is_fake, modes_entered
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
+from torchrec_lookahead.testing.host_waits import HostCounter
 from torchrec_lookahead.testing.stream_check import StreamChecker, StreamError
+from torchrec_lookahead.testing.threads import in_new_threads
 
 CUDA = torch.device("cuda", 0)
 
@@ -100,6 +103,47 @@ def test_a_thread_knows_what_its_starter_synchronised_with_before_starting_it() 
             streams.mark("cpu").synchronize()
             go.set()
             early.join()
+
+
+def test_threads_started_in_a_block_are_set_up_before_their_run_and_torn_down_after() -> None:
+    """``in_new_threads``: each setup runs in the new thread before its run, in the order
+    the blocks were entered, and its teardown there after the run, in reverse."""
+    events: list[tuple[str, int]] = []
+
+    def setup(name: str) -> Callable[[], Callable[[], None]]:
+        def enter() -> Callable[[], None]:
+            events.append((f"{name} set up", threading.get_ident()))
+            return lambda: events.append((f"{name} torn down", threading.get_ident()))
+
+        return enter
+
+    with in_new_threads(setup("outer")), in_new_threads(setup("inner")):
+        thread = threading.Thread(target=lambda: events.append(("run", threading.get_ident())))
+        thread.start()
+        thread.join()
+    order = ["outer set up", "inner set up", "run", "inner torn down", "outer torn down"]
+    assert [name for name, _ in events] == order
+    assert {ident for _, ident in events} == {thread.ident}
+
+
+def test_a_thread_started_in_the_doubles_leaves_their_modes_when_its_run_ends() -> None:
+    """The doubles enter their modes (thread-local) in each thread started in their block,
+    and exited them only on the thread that left the block: a pipeline's threads ended
+    holding them, and torch released them as each thread went, taking the GIL, which at
+    interpreter exit could abort the process ("terminate called without an active
+    exception"). A block entered before theirs sees, after a thread's run, no mode left."""
+    stacks: dict[str, tuple[int, int]] = {}
+
+    def probe() -> Callable[[], None]:
+        return lambda: stacks.update(after=modes_entered())
+
+    with in_new_threads(probe), FakeCuda(CUDA) as fake:
+        with StreamChecker(CUDA, values=fake.real), HostCounter(fake):
+            thread = threading.Thread(target=lambda: stacks.update(during=modes_entered()))
+            thread.start()
+            thread.join()
+    assert stacks["during"][0] >= 4 and stacks["during"][1] >= 2  # the doubles' modes
+    assert stacks["after"] == (0, 0)
 
 
 def test_rows_are_followed_one_by_one_for_index_operators() -> None:

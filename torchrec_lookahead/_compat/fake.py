@@ -13,7 +13,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode as DispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._python_dispatch import _pop_mode_temporarily as outside_dispatch_mode
 
 __all__ = [
@@ -28,10 +30,17 @@ __all__ = [
     "fake_store",
     "has_fake_kernel",
     "is_fake",
+    "modes_entered",
     "op_schema",
     "outside_dispatch_mode",
     "real_tensors",
 ]
+
+
+def modes_entered() -> tuple[int, int]:
+    """How many dispatch modes and torch function modes the calling thread is in (torch
+    keeps both stacks per thread, behind private names)."""
+    return len(_get_current_dispatch_mode_stack()), len(_get_current_function_mode_stack())
 
 
 def fake_cuda_tensors() -> Any:

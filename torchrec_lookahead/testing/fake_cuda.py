@@ -74,7 +74,7 @@ from torchrec_lookahead.testing.fake_fbgemm import (
     is_training_kernel,
     register_stubs,
 )
-from torchrec_lookahead.testing.threads import in_new_threads
+from torchrec_lookahead.testing.threads import Teardown, in_new_threads
 
 __all__ = ["STUBBED", "FakeCuda", "Transfer"]
 
@@ -112,7 +112,7 @@ class FakeCuda:
         self._shadows: dict[int, torch.Tensor] = {}  # id(fake storage) -> its bytes, real
         self._pinned: set[int] = set()  # id(storage) of emulated page-locked host memory
         self._active = False
-        self._modes: list[Any] = []  # (thread, mode) entered by this object, to exit
+        self._leave: Teardown | None = None  # the entering thread's modes, to exit
         self._threads: Any = None
 
     # ------------------------------------------------------------ the block
@@ -120,7 +120,7 @@ class FakeCuda:
     def __enter__(self) -> FakeCuda:
         register_stubs()
         self._active = True
-        self._enter_thread()
+        self._leave = self._enter_thread()
         self._threads = in_new_threads(self._enter_thread)
         self._threads.__enter__()
         return self
@@ -128,22 +128,27 @@ class FakeCuda:
     def __exit__(self, *exc: object) -> None:
         self._active = False
         self._threads.__exit__(None, None, None)
-        mine = threading.get_ident()
-        with self._lock:
-            for thread, mode in reversed(self._modes):
-                if thread == mine:
-                    mode.__exit__(None, None, None)
-            self._modes.clear()
+        if self._leave is not None:
+            self._leave()
+            self._leave = None
 
-    def _enter_thread(self) -> None:
-        """Route this thread's operators through the block (its modes are thread-local).
-        The fake tensor mode stays entered below ours: torch skips initialising CUDA for
-        a device argument only while one is (a CPU build has no CUDA to initialise)."""
+    def _enter_thread(self) -> Teardown:
+        """Route this thread's operators through the block (its modes are thread-local);
+        returns what exits them, on this thread. The fake tensor mode stays entered below
+        ours: torch skips initialising CUDA for a device argument only while one is (a CPU
+        build has no CUDA to initialise)."""
         with self._lock:
             calls = FakeCudaCalls(self.device, self.real, lambda: self._active)
-            for mode in (self._fake, _Dispatch(self), calls):
+            modes = (self._fake, _Dispatch(self), calls)
+            for mode in modes:
                 mode.__enter__()
-                self._modes.append((threading.get_ident(), mode))
+
+        def leave() -> None:
+            with self._lock:
+                for mode in reversed(modes):
+                    mode.__exit__(None, None, None)
+
+        return leave
 
     # ------------------------------------------------------------ shadows
 

@@ -54,7 +54,7 @@ from torchrec_lookahead._compat import (
     outside_dispatch_mode,
 )
 from torchrec_lookahead.testing.fake_cuda import FakeCuda
-from torchrec_lookahead.testing.threads import in_new_threads
+from torchrec_lookahead.testing.threads import Teardown, in_new_threads
 
 __all__ = ["VALUE_READ_OPS", "WAIT_OPS", "HostCounter", "Tally"]
 
@@ -133,25 +133,24 @@ class HostCounter:
 
     def __enter__(self) -> HostCounter:
         self._stack.enter_context(_cuda_runtime(self))
-        self._enter_thread()
+        self._stack.callback(self._enter_thread())
         self._stack.enter_context(in_new_threads(self._enter_thread))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def _enter_thread(self) -> None:
+    def _enter_thread(self) -> Teardown:
+        """Count this thread's operators; returns what stops it, on this thread."""
         dispatch, functions = _Count(self), _CountFunctions(self)
         dispatch.__enter__()
         functions.__enter__()
-        mine = threading.get_ident()
 
         def leave() -> None:
-            if threading.get_ident() == mine:  # modes are per thread
-                functions.__exit__(None, None, None)
-                dispatch.__exit__(None, None, None)
+            functions.__exit__(None, None, None)
+            dispatch.__exit__(None, None, None)
 
-        self._stack.callback(leave)
+        return leave
 
     def tally(self) -> Tally:
         """The calling thread's tally (live)."""

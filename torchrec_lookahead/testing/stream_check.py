@@ -51,7 +51,7 @@ import torchrec_lookahead.streams as streams
 from torchrec_lookahead._compat import DispatchMode
 from torchrec_lookahead.testing.operator_access import OperatorAccesses, tensors_in
 from torchrec_lookahead.testing.races import TrackedStorage, Use
-from torchrec_lookahead.testing.threads import in_new_threads, on_start
+from torchrec_lookahead.testing.threads import Teardown, in_new_threads, on_start
 
 __all__ = ["CheckedStream", "StreamChecker", "StreamError", "Wait"]
 
@@ -156,7 +156,7 @@ class StreamChecker(streams.StreamBackend):
         self._host: set[int] = set()
         self._lock = threading.RLock()
         self._active = False
-        self._modes: list[tuple[int, Any]] = []
+        self._leave: Teardown | None = None  # the entering thread's watch, to stop
         self._blocks: list[Any] = []
         self._inherited: dict[threading.Thread, dict[int, int]] = {}
 
@@ -174,18 +174,16 @@ class StreamChecker(streams.StreamBackend):
         threads = in_new_threads(self._enter_thread)
         threads.__enter__()
         self._blocks = [backend, starts, threads]
-        self._enter_thread()
+        self._leave = self._enter_thread()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._active = False
         for block in reversed(self._blocks):
             block.__exit__(None, None, None)
-        mine = threading.get_ident()
-        for thread, mode in reversed(self._modes):
-            if thread == mine:
-                mode.__exit__(None, None, None)
-        self._modes.clear()
+        if self._leave is not None:
+            self._leave()
+            self._leave = None
         torch.set_num_threads(self._saved_threads)
         if exc[0] is None:
             self.check()
@@ -196,12 +194,13 @@ class StreamChecker(streams.StreamBackend):
         with self._lock:
             self._inherited[thread] = dict(self._host_clock())
 
-    def _enter_thread(self) -> None:
+    def _enter_thread(self) -> Teardown:
+        """Watch this thread's operators; returns what stops it, on this thread."""
         with self._lock:
             self._local.host = self._inherited.pop(threading.current_thread(), {})
         mode = _Watch(self)
         mode.__enter__()
-        self._modes.append((threading.get_ident(), mode))
+        return lambda: mode.__exit__(None, None, None)
 
     def check(self) -> None:
         """Raise :class:`StreamError` if anything was found so far."""
