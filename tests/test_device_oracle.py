@@ -274,6 +274,38 @@ def test_the_sync_free_path_flags_bad_ids_and_a_broken_capacity() -> None:
         oracle.push_device(torch.tensor([1, 2], dtype=torch.int32))
 
 
+def test_a_batch_prepared_sized_enters_the_contract_path_only_once_grown() -> None:
+    """``push`` of what ``prepare_sized`` made, with the cache not grown for it: the numba
+    oracle refuses it; the device oracle let it in, and its plan evicted a row a step of
+    the window still used (its sticky flag set, and not read on the contract path)."""
+    oracle = DeviceOracleCacher(capacity=4, lookahead=1, prefetch_distance=1, num_rows=10)
+    oracle.push(torch.tensor([0, 1]))
+    oracle.push(torch.tensor([2, 3]))
+    prepared, needed = oracle.prepare_sized(torch.tensor([4, 5, 6]))
+    assert needed == 5
+    with pytest.raises(ValueError, match="a capacity of at least 5 is needed"):
+        oracle.push(prepared)
+    oracle.grow(5)
+    plans = [oracle.push(prepared), *oracle.finish()]
+    want = OracleCacher(5, 1, 1, 10)
+    want.push(np.array([0, 1]))
+    wanted = [want.push(np.array([2, 3])), want.push(np.array([4, 5, 6])), *want.finish()]
+    assert [sorted(p.evict_ids.tolist()) for p in plans] == [
+        sorted(p.evict_ids.tolist()) for p in wanted[1:]
+    ]
+
+
+def test_a_void_plan_is_refused_on_the_contract_path() -> None:
+    """A plan whose sticky flags a sync-free batch set cannot be read as a plan."""
+    oracle = DeviceOracleCacher(capacity=3, lookahead=0, prefetch_distance=0, num_rows=10)
+    assert oracle.push_device(torch.tensor([1, 2])).to_cache_plan().step == 0
+    with pytest.raises(ValueError, match="plan of step 1 is void: .* outside the table"):
+        oracle.push_device(torch.tensor([3, 12])).to_cache_plan()
+    oracle = DeviceOracleCacher(capacity=3, lookahead=0, prefetch_distance=0, num_rows=10)
+    with pytest.raises(ValueError, match="plan of step 0 is void: .* broke the capacity rule"):
+        oracle.push_device(torch.tensor([4, 5, 6, 7])).to_cache_plan()
+
+
 # The kernels that read a value back to the host (make_fx records ``.item()`` as the first).
 _HOST_READS = {"_local_scalar_dense", "nonzero", "unique", "_unique2", "unique_consecutive"}
 

@@ -187,6 +187,7 @@ def test_accepts_torch_tensors_and_lists() -> None:
         (np.array([[1, 2]]), "1-D array"),
         (np.array([0.5, 1.0]), "integers"),
         (np.array([0, 1, 2, 3, 4]), "a capacity of at least 5 is needed"),
+        (np.array([1, 2**63 + 5], np.uint64), f"step 1: id {2**63 + 5} is out of range"),
     ],
 )
 def test_bad_batch_is_refused_and_changes_nothing(bad, message) -> None:

@@ -132,6 +132,52 @@ def test_bad_batch_is_refused_before_any_partition_changes(bad, message) -> None
         assert np.array_equal(got.evict_ids, want.evict_ids)
 
 
+def test_a_batch_prepared_sized_is_refused_before_any_partition_changes_until_grown() -> None:
+    """``push`` of what ``prepare_sized`` made, not grown for: one partition took the batch
+    and another refused it, and the next plans named slots that were never set."""
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 40, size=2) for _ in range(6)]
+    partitioned = PartitionedOracle(4, 2, 0, 40, partitions=2)
+    plans = [p for p in [partitioned.push(batches[0])] if p is not None]
+    prepared, needed = partitioned.prepare_sized(np.arange(8))
+    assert needed > partitioned.capacity
+    with pytest.raises(ValueError, match=f"a capacity of at least {needed} is needed"):
+        partitioned.push(prepared)
+    assert partitioned.steps_pushed == 1
+    partitioned.grow(needed)
+    plans += [p for p in [partitioned.push(prepared)] if p is not None]
+    for batch in batches[1:]:
+        plans += [p for p in [partitioned.push(batch)] if p is not None]
+    plans += partitioned.finish()
+    trace = [batches[0], np.arange(8), *batches[1:]]
+    replay(trace, plans, partitioned.flush(), partitioned.capacity, 0)
+
+
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        (6.0, TypeError, "capacity must be an integer, got 6.0"),
+        ("8", TypeError, "capacity must be an integer, got '8'"),
+        (True, TypeError, "capacity must be an integer, got True"),
+        (3, ValueError, "capacity must be at least 4, got 3"),
+    ],
+)
+def test_a_bad_growth_is_refused_before_any_slot_changes(bad, error, message) -> None:
+    """``grow(6.0)`` extended a partition's slots before its share was refused; a later
+    ``grow`` then gave two rows one slot."""
+    partitioned = PartitionedOracle(4, 1, 0, 40, partitions=2)
+    slots = [partitioned.partition_slots(p).tolist() for p in range(2)]
+    with pytest.raises(error, match=re.escape(message)):
+        partitioned.grow(bad)
+    assert [partitioned.partition_slots(p).tolist() for p in range(2)] == slots
+    partitioned.grow(8)
+    owned = np.concatenate([partitioned.partition_slots(p) for p in range(2)])
+    assert sorted(owned.tolist()) == list(range(8))
+    batches = [np.arange(3 * s, 3 * s + 3) % 40 for s in range(12)]  # every slot is used
+    plans = list(partitioned.plan(batches))
+    replay(batches, plans, partitioned.flush(), 8, 0)  # a slot holds one row at a time
+
+
 def test_the_capacity_named_in_a_refusal_is_the_least_that_works() -> None:
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, 60, size=12) for _ in range(6)]

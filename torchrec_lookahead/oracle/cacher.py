@@ -135,6 +135,11 @@ def as_int64(batch: Any, where: str) -> np.ndarray:
         raise ValueError(f"{where}: a batch must be a 1-D array of ids, got shape {ids.shape}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"{where}: ids must be integers, got dtype {ids.dtype}")
+    if ids.dtype == np.uint64 and ids.size and ids.max() > np.iinfo(np.int64).max:
+        pos = int(np.argmax(ids > np.iinfo(np.int64).max))
+        raise ValueError(
+            f"{where}: id {ids[pos]} is out of range: ids are int64 (first at position {pos})"
+        )
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 

@@ -121,10 +121,17 @@ class DevicePlan:
         )
 
     def to_cache_plan(self, with_slots: bool = True) -> CachePlan:
-        """The plan trimmed to its lengths, as numpy arrays (syncs: reads the counts, then
-        copies the moves in one piece, and the slots unless ``with_slots`` is False: a
-        cache's lookup takes them on the device)."""
-        num_evict, num_fetch = self.counts.tolist()
+        """The plan trimmed to its lengths, as numpy arrays (syncs: reads the counts and
+        the flags, then copies the moves in one piece, and the slots unless ``with_slots``
+        is False: a cache's lookup takes them on the device). ``ValueError`` if the plan
+        is void (a flag is set)."""
+        flags = torch.stack([self.overflow, self.bad_ids]).to(self.num_fetch.dtype)
+        num_evict, num_fetch, overflow, bad_ids = torch.cat([self.counts, flags]).tolist()
+        if overflow or bad_ids:
+            cause = "broke the capacity rule" if overflow else "had an id outside the table"
+            raise ValueError(
+                f"the plan of step {self.step} is void: a batch entered without a sync {cause}"
+            )
         moves = self.moves(num_evict, num_fetch).cpu().numpy()
         slots = self.slots.cpu().numpy() if with_slots else _EMPTY
         return trimmed_plan(self.step, num_evict, num_fetch, moves, slots)
@@ -284,9 +291,16 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self.capacity = capacity
 
     def push(self, batch: Any) -> CachePlan | None:
-        """Let the next batch (or what ``prepare`` made of it) in; ``plan(step - L)`` once due."""
-        prepared = batch if isinstance(batch, DevicePreparedBatch) else self.prepare(batch)
-        plan = self._enter(self._checked(prepared))
+        """Let the next batch (or what ``prepare`` made of it) in; ``plan(step - L)`` once due.
+        A prepared batch's pinned rows are read back (a sync) and checked again: one of
+        ``prepare_sized`` is refused if the cache was not grown for it."""
+        if isinstance(batch, DevicePreparedBatch):
+            prepared, pinned = self._checked(batch), int(batch.pinned_rows.item())
+            if pinned > self.capacity:
+                raise capacity_error(prepared.step, self.prefetch_distance, pinned, self.capacity)
+        else:
+            prepared = self.prepare(batch)
+        plan = self._enter(prepared)
         return None if plan is None else plan.to_cache_plan()
 
     def finish(self) -> list[CachePlan]:

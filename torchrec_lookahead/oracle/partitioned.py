@@ -34,6 +34,7 @@ import numpy as np
 from torchrec_lookahead.oracle.cacher import OracleCacher, PreparedBatch, as_int64
 from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
 from torchrec_lookahead.oracle.partitions import global_ids, place
+from torchrec_lookahead.settings import check_count
 
 __all__ = ["PartitionedBatch", "PartitionedOracle"]
 
@@ -139,22 +140,23 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
         ``step-d..step`` exceed its slots. Changes nothing in any partition.
         """
         prepared, needed = self.prepare_sized(batch)
-        if needed > self.capacity:
-            assert isinstance(prepared, PartitionedBatch)  # one partition refuses in prepare
-            parts, k, d, step = (
-                prepared.parts,
-                self.partitions,
-                self.prefetch_distance,
-                prepared.step,
-            )
-            p = next(p for p, b in enumerate(parts) if b.pinned_rows > self._parts[p].capacity)
-            raise ValueError(
-                f"step {step}: steps {max(step - d, 0)}..{step} use {parts[p].pinned_rows} "
-                f"distinct rows of partition {p} of {k}, which must be resident together "
-                f"(prefetch_distance={d}), but it owns {self._parts[p].capacity} of the "
-                f"{self.capacity} slots; a capacity of at least {needed} is needed"
-            )
+        if isinstance(prepared, PartitionedBatch):  # one partition refuses in prepare
+            self._check_capacity(prepared, needed)
         return prepared
+
+    def _check_capacity(self, prepared: PartitionedBatch, needed: int) -> None:
+        """Refuse ``prepared`` unless every partition owns the slots its window needs
+        (``needed``: the capacity that gives each its share)."""
+        if needed <= self.capacity:
+            return
+        parts, k, d, step = prepared.parts, self.partitions, self.prefetch_distance, prepared.step
+        p = next(p for p, b in enumerate(parts) if b.pinned_rows > self._parts[p].capacity)
+        raise ValueError(
+            f"step {step}: steps {max(step - d, 0)}..{step} use {parts[p].pinned_rows} "
+            f"distinct rows of partition {p} of {k}, which must be resident together "
+            f"(prefetch_distance={d}), but it owns {self._parts[p].capacity} of the "
+            f"{self.capacity} slots; a capacity of at least {needed} is needed"
+        )
 
     def prepare_sized(self, batch: Any) -> tuple[PreparedBatch | PartitionedBatch, int]:
         """``prepare`` without the capacity check: the batch and the capacity that gives
@@ -166,16 +168,13 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
         parts = self._run(
             lambda p: self._parts[p].prepare_unchecked(ids, parts=k, part=p, id_limit=self.num_rows)
         )
-        # Partition p's share of a capacity C is at least n once C >= k * (n - 1) + p + 1.
-        needed = max(k * (b.pinned_rows - 1) + p + 1 for p, b in enumerate(parts))
-        return PartitionedBatch(self, step, ids, tuple(parts)), needed
+        return PartitionedBatch(self, step, ids, tuple(parts)), _needed(parts)
 
     def grow(self, capacity: int) -> None:
         """``capacity`` slots from now on: each partition grows to its share of them (a
         share never shrinks as the capacity grows), its new slots numbered after the old
         capacity, so that every resident row keeps its slot."""
-        if capacity < self.capacity:
-            raise ValueError(f"a cache of {self.capacity} slots cannot grow to {capacity}")
+        capacity = check_count("capacity", capacity, self.capacity)  # before any change
         shares = _shares(capacity, self.partitions)
         extra = [share - part.capacity for share, part in zip(shares, self._parts)]
         starts = self.capacity + np.concatenate([[0], np.cumsum(extra)])
@@ -204,6 +203,7 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
                 f"a batch prepared for step {prepared.step} cannot enter at step "
                 f"{self.steps_pushed} (or it was prepared by another oracle)"
             )
+        self._check_capacity(prepared, _needed(prepared.parts))  # prepared by prepare_sized
         self._pending.append(prepared)
         due = [self._pending[0]] if len(self._pending) > self.lookahead else []
         plans = self._plan(due, lambda p: [self._parts[p].push(prepared.parts[p])])
@@ -274,6 +274,13 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
             fetch_ids=joined("fetch_ids", True),
             fetch_slots=joined("fetch_slots", False),
         )
+
+
+def _needed(parts: Sequence[PreparedBatch]) -> int:
+    """The capacity whose shares give each partition the slots its window needs: partition
+    p's share of a capacity C is at least n once C >= k * (n - 1) + p + 1."""
+    k = len(parts)
+    return max(k * (b.pinned_rows - 1) + p + 1 for p, b in enumerate(parts))
 
 
 def _shares(capacity: int, partitions: int) -> list[int]:
