@@ -22,7 +22,7 @@ from tests.models import (
     train_reference,
 )
 from torchrec_lookahead import LookaheadEmbeddingBagCollection, LookaheadTrainPipeline
-from torchrec_lookahead.settings import WindowSettings
+from torchrec_lookahead.settings import PLANNERS, WindowSettings
 
 DATA = batches(40)
 
@@ -88,13 +88,20 @@ def test_unknown_feature_key_is_refused() -> None:
         pipeline.progress(iter([odd]))
 
 
-def test_a_batch_whose_lengths_miss_its_values_is_refused_by_the_module_itself() -> None:
+@pytest.mark.parametrize("planner", PLANNERS)
+@pytest.mark.parametrize("kept", [1, -7], ids=["one_value", "seven_short"])
+def test_a_batch_whose_lengths_miss_its_values_is_refused_by_the_module_itself(
+    planner: str, kept: int
+) -> None:
     """Called without the pipeline (whose batch check refuses it first), the module's
-    own planning refuses it before its compiled pass reads past the values."""
+    own planning refuses it before its compiled pass reads past the values (the host
+    planner), or before it spreads too few values over the features (the device
+    planner's, which raised a shape error, or with one value left planned it for every
+    id)."""
     module = lookahead_model("sgd", cache_load_factor=0.1).unweighted
-    module.open_window(WindowSettings(lookahead=2, prefetch_distance=1))
+    module.open_window(WindowSettings(lookahead=2, prefetch_distance=1, planner=planner))
     kjt = module.select(DATA[0].sparse_features)
-    short = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[:-1], lengths=kjt.lengths())
+    short = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[:kept], lengths=kjt.lengths())
     with pytest.raises(ValueError, match=r"step 0: the lengths add up to \d+ ids but the batch"):
         module.prepare(short, 0)
 

@@ -33,7 +33,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_lookahead.streams as streams
-from torchrec_lookahead.cache.planning import GroupLayout, Planning
+from torchrec_lookahead.cache.planning import GroupLayout, Planning, check_lengths
 from torchrec_lookahead.checks import check_feature_ids
 from torchrec_lookahead.oracle.contract import CachePlanner
 from torchrec_lookahead.oracle.device import DeviceOracleCacher, DevicePlan, trimmed_plan
@@ -91,6 +91,7 @@ class DevicePlanning(Planning):
         features_index, offset, rows = self._device_constants[:3]
         lengths = features.length_per_key()
         values = features.values()
+        check_lengths(lengths, values.numel(), step)
         feature = torch.repeat_interleave(
             features_index,
             self._on_device(np.asarray(lengths, dtype=np.int64)),

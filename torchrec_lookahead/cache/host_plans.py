@@ -21,7 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import torchrec_lookahead.streams as streams
 from torchrec_lookahead.cache.id_passes import pool_ids
-from torchrec_lookahead.cache.planning import Planning
+from torchrec_lookahead.cache.planning import Planning, check_lengths
 from torchrec_lookahead.checks import feature_id_error
 from torchrec_lookahead.oracle import OracleCacher, PartitionedOracle
 from torchrec_lookahead.oracle.contract import CachePlan, CachePlanner
@@ -61,11 +61,7 @@ class HostPlanning(Planning):
         layout = self.layout
         values = streams.to_host(features.values()).numpy()
         lengths = np.asarray(features.length_per_key(), dtype=np.int64)
-        if lengths.sum() != len(values):  # the compiled pass reads what the lengths say
-            raise ValueError(
-                f"step {step}: the lengths add up to {lengths.sum()} ids but the batch has "
-                f"{len(values)} values"
-            )
+        check_lengths(lengths, len(values), step)  # the compiled pass reads what they say
         ids, bad = pool_ids(values, lengths, layout.feature_rows, layout.feature_offset)
         if bad >= 0:
             keys, rows = features.keys(), layout.feature_rows

@@ -37,7 +37,18 @@ if TYPE_CHECKING:
     from torchrec_lookahead.cache.counters import TableCounters
     from torchrec_lookahead.cache.slot_cache import SlotCache
 
-__all__ = ["GroupLayout", "Planning"]
+__all__ = ["GroupLayout", "Planning", "check_lengths"]
+
+
+def check_lengths(lengths: Sequence[int] | np.ndarray, values: int, step: int) -> None:
+    """``ValueError`` unless the features' ``lengths`` add up to the batch's ``values``:
+    a planner reads each feature's ids by its length (a batch not checked before, by the
+    pipeline's ``check_batch``, can reach it)."""
+    total = int(np.sum(lengths))
+    if total != values:
+        raise ValueError(
+            f"step {step}: the lengths add up to {total} ids but the batch has {values} values"
+        )
 
 
 @dataclass(frozen=True)
