@@ -10,6 +10,7 @@ import pytest
 import torch
 from torchrec.distributed.types import Awaitable
 
+import torchrec_lookahead.pipeline.stage as stage_module
 from tests.models import (
     assert_same_training_state,
     batches,
@@ -19,6 +20,7 @@ from tests.models import (
 )
 from torchrec_lookahead import LookaheadTrainPipeline
 from torchrec_lookahead.cache.slot_cache import SlotCache
+from torchrec_lookahead.idle import run_normally, run_when_idle
 
 DATA = batches(30)
 THREADS = ("lookahead-stage", "lookahead-executor", "lookahead-reader", "lookahead-planner")
@@ -262,3 +264,46 @@ def test_a_window_checks_its_settings() -> None:
         WindowSettings(4, 1.5)
     with pytest.raises(ValueError, match="planning_workers must be at least 1"):
         WindowSettings(4, 1, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_pipeline_closed_mid_data_gives_its_idle_threads_cores_to_stop(
+    live_threads, monkeypatch, threaded
+) -> None:
+    """Closing waits (10 s at most) for the stage's threads, which run at idle priority:
+    on a busy host they could get no cycle in that time, and were still running torch's
+    code as the interpreter exited. Each is given normal priority before the wait."""
+    given: list[str] = []
+    monkeypatch.setattr(stage_module, "run_normally", lambda thread: given.append(thread.name))
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    pipeline, it = pipeline_for(model, threaded=threaded), iter(DATA)
+    for _ in range(3):
+        pipeline.progress(it)
+    pipeline.close()
+    assert live_threads() == []
+    idle = {"lookahead-stage"} if threaded else {"lookahead-reader", "lookahead-planner"}
+    assert idle <= set(given)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_a_thread_at_idle_priority_runs_normally_once_asked() -> None:
+    started, release, policies = threading.Event(), threading.Event(), []
+
+    def work() -> None:
+        run_when_idle()
+        policies.append(os.sched_getscheduler(0))
+        started.set()
+        release.wait()
+        policies.append(os.sched_getscheduler(0))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    started.wait()
+    run_normally(thread)
+    release.set()
+    thread.join()
+    run_normally(thread)  # gone: nothing to do
+    if policies[1] == os.SCHED_IDLE and os.geteuid() != 0:
+        pytest.skip("this process may not raise a thread's priority here (RLIMIT_NICE)")
+    assert policies == [os.SCHED_IDLE, os.SCHED_OTHER]

@@ -64,7 +64,7 @@ import torch
 from torchrec.distributed.types import Awaitable
 
 import torchrec_lookahead.streams as streams
-from torchrec_lookahead.idle import run_when_idle
+from torchrec_lookahead.idle import run_normally, run_when_idle
 from torchrec_lookahead.pipeline.batch_check import UNNAMED_STEP, BatchCheck, CheckedBatch
 from torchrec_lookahead.steps import LookaheadModule, StepContext, StepPlan
 from torchrec_lookahead.votes import VoteGroup
@@ -467,6 +467,7 @@ def _close(out: queue.Queue, thread: threading.Thread) -> None:
     while not out.empty():
         out.get_nowait()
     if thread is not threading.current_thread():
+        run_normally(thread)  # it ran at idle priority
         thread.join(timeout=10.0)
 
 
