@@ -153,6 +153,14 @@ def test_a_batch_prepared_sized_is_refused_before_any_partition_changes_until_gr
     replay(trace, plans, partitioned.flush(), partitioned.capacity, 0)
 
 
+def test_one_partition_refuses_a_window_larger_than_the_cache_in_prepare() -> None:
+    """With one partition, ``prepare`` failed an assertion where it should refuse."""
+    oracle = PartitionedOracle(3, 1, 0, 40, partitions=1)
+    with pytest.raises(ValueError, match="a capacity of at least 5 is needed"):
+        oracle.prepare(np.arange(5))
+    assert oracle.steps_pushed == 0
+
+
 @pytest.mark.parametrize(
     "bad, error, message",
     [

@@ -139,9 +139,11 @@ class PartitionedOracle(CachePlanner[PreparedBatch | PartitionedBatch]):
         Raises ``ValueError`` for bad ids, or when a partition's rows of steps
         ``step-d..step`` exceed its slots. Changes nothing in any partition.
         """
+        if self.partitions == 1:
+            return self._parts[0].prepare(batch)
         prepared, needed = self.prepare_sized(batch)
-        if isinstance(prepared, PartitionedBatch):  # one partition refuses in prepare
-            self._check_capacity(prepared, needed)
+        assert isinstance(prepared, PartitionedBatch)  # with more than one partition
+        self._check_capacity(prepared, needed)
         return prepared
 
     def _check_capacity(self, prepared: PartitionedBatch, needed: int) -> None:
