@@ -307,3 +307,26 @@ def test_a_thread_at_idle_priority_runs_normally_once_asked() -> None:
     if policies[1] == os.SCHED_IDLE and os.geteuid() != 0:
         pytest.skip("this process may not raise a thread's priority here (RLIMIT_NICE)")
     assert policies == [os.SCHED_IDLE, os.SCHED_OTHER]
+
+
+def test_a_second_pipeline_on_a_model_in_an_open_window_is_refused(live_threads) -> None:
+    """Building a pipeline opens its modules' windows (caches written back and emptied,
+    oracles restarted): on a model whose pipeline was still running, it corrupted that
+    one's steps or broke its window. Refused before anything changes; accepted once the
+    first pipeline closed (the end of its data closes it)."""
+    model = lookahead_model("sgd", cache_load_factor=0.1)
+    twin = reference_twin(model, "sgd")
+    expected = train_reference(twin, DATA[:12])
+    dense = torch.optim.SGD(model.over.parameters(), lr=0.1)
+    first, it, outputs = pipeline_for(model), iter(DATA[:12]), []
+    for _ in range(4):
+        outputs.append(first.progress(it))
+    with pytest.raises(ValueError, match="in the window of another LookaheadTrainPipeline"):
+        LookaheadTrainPipeline(model, dense, "cpu", lookahead=4)
+    with pytest.raises(StopIteration):
+        while True:
+            outputs.append(first.progress(it))
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected, strict=True))
+    assert_same_training_state(model, twin)
+    LookaheadTrainPipeline(model, dense, "cpu", lookahead=4).close()
+    assert live_threads() == []

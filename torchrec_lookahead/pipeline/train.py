@@ -86,7 +86,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        device: torch.device,
+        device: torch.device | str,
         lookahead: int = 16,
         prefetch_distance: int = 1,
         planning_workers: int = 1,
@@ -94,6 +94,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         planner: str = "host",
     ) -> None:
         super().__init__()
+        device = torch.device(device)
         lookahead = check_count("lookahead", lookahead, 1)
         prefetch_distance = check_count("prefetch_distance", prefetch_distance, 0)
         planning_workers = check_count("planning_workers", planning_workers, 1)
@@ -105,6 +106,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._cached = [m for m in model.modules() if isinstance(m, LookaheadModule)]
         if not self._cached:
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
+        _check_free(self._cached)
         _check_sharded(model)
         load_kernels()  # not on the first step's critical path
         window = WindowSettings(lookahead, prefetch_distance, planning_workers, planner)
@@ -295,6 +297,18 @@ def _reading_vote(modules: Sequence[Any], device: torch.device) -> VoteGroup | N
     if not envs or envs[0].world_size == 1:
         return None
     return VoteGroup(dist.get_process_group_ranks(envs[0].process_group), device)
+
+
+def _check_free(modules: Sequence[Any]) -> None:
+    """Refuse modules in the window of a pipeline not closed: opening a window empties the
+    caches and restarts the oracles under the other pipeline's running steps."""
+    held = {id(module) for pipeline in list(_OPEN) for module in pipeline._cached}
+    if any(id(module) in held for module in modules):
+        raise ValueError(
+            "the model's lookahead modules are in the window of another "
+            "LookaheadTrainPipeline, not closed: close it first (pipeline.close(), or "
+            "build it in a with block); the end of its data closes it too"
+        )
 
 
 def _check_sharded(model: torch.nn.Module) -> None:
