@@ -537,13 +537,13 @@ def mixed_growth_worker(rank: int, world_size: int, port: int) -> None:
 def check_malformed_batches(rank: int, world_size: int) -> None:
     """Every kind of malformed batch, each on one rank only (the first batch among them, for
     the cache sizing): refused on every rank together, training equal to plain TorchRec."""
-    from tests.malformed import MALFORMED, malformed
+    from tests.malformed import MALFORMED, MALFORMED_SHARDED, malformed
 
     case = Case("table_wise", "rowwise_adagrad", 8, steps=30, cache_load_factor=0.05)
     batches, (base, base_opt, _) = rank_data_and_baseline(case, rank, world_size)
     extra = SyntheticCriteo(table_sizes=SIZES, zipf_exponent=1.05, seed=400 + rank)
     stream = list(batches)
-    kinds = sorted(MALFORMED)
+    kinds = sorted(MALFORMED) + sorted(MALFORMED_SHARDED)  # not the first batch: its order
     for i, kind in reversed(list(enumerate(kinds))):  # at steps 0, 2, 4, ... of the good ones
         spare = criteo_batch(extra, i, BATCH)
         stream.insert(2 * i, malformed(kind, spare) if i % world_size == rank else spare)
@@ -564,7 +564,8 @@ def check_malformed_batches(rank: int, world_size: int) -> None:
     assert sent.calls["other"] == len(stream), sent.calls
     assert len(refused) == len(kinds), refused
     for i, (kind, message) in enumerate(zip(kinds, refused)):
-        phrase = MALFORMED[kind][1] if i % world_size == rank else "another rank refused"
+        phrase = (MALFORMED | MALFORMED_SHARDED)[kind][1]
+        phrase = phrase if i % world_size == rank else "another rank refused"
         assert phrase in message, (kind, message)
     assert len(got) == len(expected)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))

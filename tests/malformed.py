@@ -97,6 +97,18 @@ def _fewer_dense_samples(batch: Batch) -> Batch:
     return Batch(batch.dense_features[:-1], batch.sparse_features, batch.labels)
 
 
+def _missing_key(batch: Batch) -> Batch:
+    kjt = batch.sparse_features
+    kept = kjt.keys()[:-1]
+    return Batch(batch.dense_features, kjt.permute(list(range(len(kept)))), batch.labels)
+
+
+def _permuted_keys(batch: Batch) -> Batch:
+    kjt = batch.sparse_features
+    order = list(reversed(range(len(kjt.keys()))))
+    return Batch(batch.dense_features, kjt.permute(order), batch.labels)
+
+
 # kind -> (make it, a phrase of the refusal, the exception type)
 MALFORMED: dict[str, tuple[Callable[[Batch], Batch], str, type[Exception]]] = {
     "short_weights": (lambda b: _rebuilt(b, weights=_weights(b)[:-3]), "weights for", ValueError),
@@ -124,8 +136,15 @@ MALFORMED: dict[str, tuple[Callable[[Batch], Batch], str, type[Exception]]] = {
     "unknown_key": (_unknown_key, "no embedding module knows", ValueError),
     "wrong_length_per_key": (_wrong_length_per_key, "length_per_key", ValueError),
     "fewer_dense_samples": (_fewer_dense_samples, "dense_features has", ValueError),
+    "missing_key": (_missing_key, "missing from the batch", ValueError),
+}
+
+# Malformed only under DMP, whose input dist routes every batch as the window's first (an
+# unsharded module selects its features by name, in any order).
+MALFORMED_SHARDED: dict[str, tuple[Callable[[Batch], Batch], str, type[Exception]]] = {
+    "permuted_keys": (_permuted_keys, "the window's first batch in the order", ValueError),
 }
 
 
 def malformed(kind: str, batch: Batch) -> Batch:
-    return MALFORMED[kind][0](batch)
+    return (MALFORMED | MALFORMED_SHARDED)[kind][0](batch)

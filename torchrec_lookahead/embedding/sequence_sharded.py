@@ -30,6 +30,8 @@ class ShardedLookaheadEmbeddingCollection(ShardedLookaheadModule, ShardedSequenc
     lookup_type = LookaheadSequenceEmbeddingsLookup
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
+        if (refusal := super().batch_kind_refusal(features)) is not None:
+            return refusal
         if features.variable_stride_per_key():
             return ValueError(
                 "a deduplicated (variable-stride) batch is not taken by "

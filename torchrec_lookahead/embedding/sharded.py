@@ -120,6 +120,8 @@ class ShardedLookaheadModule(ShardedBase):
         # Collectives take tensors of the device the sharded module computes on (NCCL: CUDA).
         self._collective_device = torch.device(kwargs.get("device") or "cpu")
         self._table_features = {t.name: list(t.feature_names) for t in self.table_configs()}
+        self._features = [f for names in self._table_features.values() for f in names]
+        self._window_keys: list[str] | None = None  # the order of the window's first batch
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
     @property
@@ -177,6 +179,7 @@ class ShardedLookaheadModule(ShardedBase):
         if self._sizing.max_rows and self.env.world_size > 1:
             self._verdicts = VoteGroup(ranks, self._collective_device)
         self._window = window
+        self._window_keys = None
         self._bind_stage_input_dists()
         for group in self.cached_groups:
             group.open_window(window)
@@ -256,8 +259,26 @@ class ShardedLookaheadModule(ShardedBase):
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
         """Why this collection cannot take a batch of ``features``' kind (checked on the
-        host batch, as the stage reads it), if it cannot: on a GPU, a deduplicated batch
-        into a fused optimizer FBGEMM's variable-batch kernels lack."""
+        host batch, as the stage reads it), if it cannot. TorchRec's input dist routes
+        every feature of the collection, in the order of the first batch it saw: a batch
+        missing one failed inside it, and one in another order went to the wrong tables.
+        On a GPU, a deduplicated batch into a fused optimizer FBGEMM's variable-batch
+        kernels lack. Subclasses add their own after these."""
+        keys = [key for key in features.keys() if key in self._features]
+        missing = [f for f in self._features if f not in keys]
+        if missing:
+            return ValueError(
+                f"features {missing} are missing from the batch: a sharded collection "
+                "takes every one of its features in every batch"
+            )
+        if self._window_keys is None:
+            self._window_keys = keys
+        elif keys != self._window_keys:
+            return ValueError(
+                f"the batch has its features in the order {keys}, the "
+                f"window's first batch in the order {self._window_keys}: TorchRec's input "
+                "dist sends every batch's features where the first batch's went"
+            )
         if self._collective_device.type == "cpu":  # the CPU pools variable batches padded
             return None
         for group in self.cached_groups:
@@ -328,6 +349,8 @@ class ShardedLookaheadEmbeddingBagCollection(ShardedLookaheadModule, ShardedColl
 
     def batch_kind_refusal(self, features: KeyedJaggedTensor) -> ValueError | None:
         """Why this collection cannot take a batch of ``features``' kind, if it cannot."""
+        if (refusal := super().batch_kind_refusal(features)) is not None:
+            return refusal
         if self._refuse_variable_batch and features.variable_stride_per_key():
             return ValueError(
                 "a deduplicated (variable-batch) batch cannot reach row-wise shards over gloo: "

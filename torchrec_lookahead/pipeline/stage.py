@@ -338,7 +338,7 @@ class LookaheadStage:
                 item.context.ready = item.ready
             return item
         except ValueError as refused:
-            return StageItem(error=refused)
+            return StageItem(error=_named(refused, f"step {self._entered}"))
         except Exception as error:
             return StageItem(error=_at_step(error, self._entered, "planning"))
         finally:
@@ -472,8 +472,10 @@ def _close(out: queue.Queue, thread: threading.Thread) -> None:
 
 
 def _named(refusal: ValueError, step: str) -> ValueError:
-    """``refusal`` (of its own type: ``BatchTypeError`` stays one) naming ``step``."""
-    named = type(refusal)(str(refusal).replace(UNNAMED_STEP, step))
+    """``refusal`` (of its own type: ``BatchTypeError`` stays one) naming ``step``: in place
+    of :data:`UNNAMED_STEP`, else first, unless it names a step already."""
+    text = str(refusal).replace(UNNAMED_STEP, step)
+    named = type(refusal)(text if text.startswith("step ") else f"{step}: {text}")
     named.__cause__ = refusal.__cause__
     return named
 
