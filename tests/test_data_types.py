@@ -204,6 +204,18 @@ def test_a_type_fbgemm_cannot_train_is_refused_when_the_collection_is_built(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_width_fbgemm_does_not_take_is_refused_when_the_collection_is_built(tmp_path) -> None:
+    """FBGEMM's TBE takes multiples of 4 columns: a table of 3 failed its assertion when the
+    pipeline built the caches, naming no table."""
+    tables = [
+        dataclasses.replace(UNWEIGHTED[0]),
+        dataclasses.replace(UNWEIGHTED[1], embedding_dim=6),
+    ]
+    with pytest.raises(ValueError, match="table t1: embedding_dim 6 is not a multiple of 4"):
+        LookaheadEmbeddingBagCollection(tables, store_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_type_fbgemm_cannot_train_is_refused_by_the_sharder_before_sharding() -> None:
     """A module whose table was given another type after it was built (as a quantizing
     flow does) is refused by the sharder, which builds nothing."""

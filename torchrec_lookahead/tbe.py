@@ -69,8 +69,15 @@ def training_tbe(
 
 def check_trained(tables: Sequence[EmbeddingBagConfig]) -> None:
     """Raise ``ValueError`` naming the first of ``tables`` whose data type FBGEMM's TBE
-    cannot train (see :data:`TRAINED`), before anything is built for them."""
+    cannot train (see :data:`TRAINED`), or whose width it does not take (a multiple of
+    4 columns), before anything is built for them."""
     for table in tables:
+        if table.embedding_dim % 4:
+            raise ValueError(
+                f"table {table.name}: embedding_dim {table.embedding_dim} is not a multiple "
+                "of 4, which FBGEMM's TBE (the cache's kernel, as plain TorchRec's fused "
+                "one) requires"
+            )
         if table.data_type not in TRAINED:
             trained = ", ".join(t.value for t in TRAINED)
             raise ValueError(
