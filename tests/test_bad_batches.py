@@ -165,6 +165,7 @@ BAD_MODULE_SETTINGS = [
     ({"min_cache_rows": 0}, ValueError),
     ({"cache_rows": {"t0": 1.5}}, TypeError),
     ({"cache_rows": {"t0": 0}}, ValueError),
+    ({"cache_rows": 5}, TypeError),
 ]
 
 
@@ -175,3 +176,14 @@ def test_bad_module_settings_are_refused_where_they_are_given(kwargs, error, tmp
     with pytest.raises(error, match=next(iter(kwargs))):
         LookaheadEmbeddingBagCollection(UNWEIGHTED, store_dir=tmp_path, **kwargs)
     assert list(tmp_path.iterdir()) == [], "a refused module wrote its store"
+
+
+def test_a_module_without_tables_or_with_a_store_dir_not_a_path_is_refused_by_name() -> None:
+    """Python's own errors of these (a ``KeyError`` from an empty set, pathlib's
+    ``TypeError``) named neither setting."""
+    from tests.models import UNWEIGHTED
+
+    with pytest.raises(ValueError, match="tables: .* got none"):
+        LookaheadEmbeddingBagCollection([])
+    with pytest.raises(TypeError, match="store_dir must be a path, got 5"):
+        LookaheadEmbeddingBagCollection(UNWEIGHTED, store_dir=5)

@@ -33,7 +33,7 @@ from torchrec_lookahead.cache.group import CacheGroup, enter_groups, finish_grou
 from torchrec_lookahead.checks import no_fused_optimizer, not_sharded
 from torchrec_lookahead.embedding.cache_group import GroupTable, build_cache_group, check_disk_store
 from torchrec_lookahead.metrics import CacheMetrics
-from torchrec_lookahead.settings import CacheSizing, WindowSettings
+from torchrec_lookahead.settings import CacheSizing, SettingTypeError, WindowSettings
 from torchrec_lookahead.steps import ModuleInput, StepContext, StepPlan
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.tbe import check_trained
@@ -87,6 +87,12 @@ class CacheSettings:
     ) -> CacheSettings:
         """The settings as the collections take them (see their arguments), or ``ValueError``
         before anything is built (a refused disk store makes no file)."""
+        if not tables:
+            raise ValueError("tables: a lookahead collection caches one table or more, got none")
+        if cache_rows is not None and not isinstance(cache_rows, Mapping):
+            raise SettingTypeError(f"cache_rows must map table names to rows, got {cache_rows!r}")
+        if store_dir is not None and not isinstance(store_dir, (str, os.PathLike)):
+            raise SettingTypeError(f"store_dir must be a path, got {store_dir!r}")
         check_trained(tables)
         names = [t.name for t in tables]
         if max_cache_rows is None or isinstance(max_cache_rows, Mapping):
