@@ -330,3 +330,15 @@ def test_a_second_pipeline_on_a_model_in_an_open_window_is_refused(live_threads)
     assert_same_training_state(model, twin)
     LookaheadTrainPipeline(model, dense, "cpu", lookahead=4).close()
     assert live_threads() == []
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_progress_after_close_says_the_pipeline_is_closed(live_threads, steps) -> None:
+    """It waited a second, then said the stage "stopped without a word"."""
+    pipeline, it = pipeline_for(lookahead_model("sgd", cache_load_factor=0.1)), iter(DATA)
+    for _ in range(steps):
+        pipeline.progress(it)
+    pipeline.close()
+    with pytest.raises(RuntimeError, match="this LookaheadTrainPipeline is closed"):
+        pipeline.progress(it)
+    assert live_threads() == []

@@ -126,6 +126,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._window: deque[StepContext] = deque()
         self._issued = 0  # steps whose moves went to the executor
         self._data_done = False
+        self._closed = False
         self._executor = PlanExecutor(device)
         # The step whose forward runs (None between steps): what each lookahead module's
         # forward, stood in for by a StepForward as TorchRec's pipelines do, hands it.
@@ -184,6 +185,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         the process groups made for this pipeline once no thread of its stage can be
         inside one of their collectives; idempotent."""
         _OPEN.discard(self)
+        self._closed = True
         self._stage.close()
         self._executor.close()
         for forward in self._forwards:
@@ -203,6 +205,11 @@ class LookaheadTrainPipeline(TrainPipeline):
     # ------------------------------------------------------------ internals
 
     def _progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        if self._closed and not self._data_done:
+            raise RuntimeError(
+                "this LookaheadTrainPipeline is closed (by close(), the end of its with "
+                "block, or an error it raised): build a new one to train on"
+            )
         if not self._stage.started:
             self._stage.start(dataloader_iter)
         self._fill()
