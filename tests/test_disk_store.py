@@ -32,7 +32,7 @@ from torchrec_lookahead.store.files import StoreFiles, advise_rows
 DATA = batches(60)
 
 
-def tables(sizes=((1001, 8), (7, 1), (333, 4))) -> list[EmbeddingBagConfig]:
+def tables(sizes=((1001, 8), (7, 12), (333, 4))) -> list[EmbeddingBagConfig]:
     return [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=n, feature_names=[f"f{i}"])
         for i, (n, d) in enumerate(sizes)
