@@ -261,7 +261,7 @@ class SlotCache:
                 _scatter(store, parts, [cached.index_select(0, index) for cached in tensors])
 
             self._side.run(move)
-            return
+            return None
         cpu = torch.device("cpu")
         staged = [self.store.staging_rows(len(slots), t, cpu) for t in tensors]
 
