@@ -191,3 +191,29 @@ def test_each_step_reaches_the_modules_through_their_forward_and_eval_through_th
             model(DATA[0])  # the full tables, not the cache
         assert steps == [0, 0, 1, 1, 2, 2]
     assert "forward" not in vars(model.unweighted) and "forward" not in vars(model.weighted)
+
+
+def test_a_partial_load_mid_run_keeps_the_cached_rows_newest_values() -> None:
+    """``load_state_dict(part, strict=False)`` (the dense layers only) reloads every cached
+    row from the store, which held their values of the last write-back: the rows went
+    back in time. The store is written back before a load now."""
+    data = batches(10, batch_size=32)
+    model = lookahead_model("rowwise_adagrad", cache_load_factor=0.05)
+    twin = reference_twin(model, "rowwise_adagrad")
+    twin_dense = torch.optim.SGD(twin.over.parameters(), lr=0.1)
+    pipeline = LookaheadTrainPipeline(
+        model, torch.optim.SGD(model.over.parameters(), lr=0.1), torch.device("cpu"), lookahead=4
+    )
+    it = iter(data)
+    with pipeline:
+        for step, batch in enumerate(data):
+            if step == 3:
+                dense = {"over." + k: v.clone() for k, v in model.over.state_dict().items()}
+                model.load_state_dict(dense, strict=False)
+                twin.load_state_dict(dense, strict=False)
+            twin_dense.zero_grad()
+            loss, expected = twin(batch)
+            loss.backward()
+            twin_dense.step()
+            assert torch.equal(pipeline.progress(it), expected), step
+    assert_same_training_state(model, twin)

@@ -186,6 +186,9 @@ class CachedCollection(ModuleBase):
             except BaseException:
                 settings.files.close()  # a refused store keeps nothing open
                 raise
+        # A load, whole or partial (strict=False), then reloads every cached row from the
+        # store: the store must hold their newest values first.
+        self.register_load_state_dict_pre_hook(lambda module, *_: module.write_back())
         self.register_load_state_dict_post_hook(lambda module, _: module._reload_cache())
 
     # ------------------------------------------------------------ settings

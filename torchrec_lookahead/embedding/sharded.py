@@ -122,6 +122,9 @@ class ShardedLookaheadModule(ShardedBase):
         self._table_features = {t.name: list(t.feature_names) for t in self.table_configs()}
         self._features = [f for names in self._table_features.values() for f in names]
         self._window_keys: list[str] | None = None  # the order of the window's first batch
+        # A load, whole or partial (strict=False), then reloads every cached row from the
+        # store: the store must hold their newest values first (hot rows' too).
+        self.register_load_state_dict_pre_hook(lambda m, *_: m.write_back())
         self.register_load_state_dict_post_hook(lambda m, _: m._reload_caches())
 
     @property
