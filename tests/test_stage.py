@@ -342,3 +342,21 @@ def test_progress_after_close_says_the_pipeline_is_closed(live_threads, steps) -
     with pytest.raises(RuntimeError, match="this LookaheadTrainPipeline is closed"):
         pipeline.progress(it)
     assert live_threads() == []
+
+
+def test_a_pipeline_whose_data_ended_refuses_a_new_iterator(live_threads) -> None:
+    """TorchRec's DLRM example hands one pipeline a new iterator each epoch; this pipeline
+    closes at the end of its data and trained nothing on the next, silently. The same
+    iterator ends again; a new one is refused, naming what to do."""
+    pipeline, it = pipeline_for(lookahead_model("sgd", cache_load_factor=0.1)), iter(DATA[:6])
+    steps = 0
+    with pytest.raises(StopIteration):
+        while True:
+            pipeline.progress(it)
+            steps += 1
+    assert steps == 6
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    with pytest.raises(RuntimeError, match="build a new one for each epoch"):
+        pipeline.progress(iter(DATA[:6]))
+    assert live_threads() == []

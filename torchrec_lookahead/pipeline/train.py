@@ -125,6 +125,7 @@ class LookaheadTrainPipeline(TrainPipeline):
         # next, the last the newest that entered (the stage numbers them).
         self._window: deque[StepContext] = deque()
         self._issued = 0  # steps whose moves went to the executor
+        self._data: Iterator[Any] | None = None  # the iterator the stage reads
         self._data_done = False
         self._closed = False
         self._executor = PlanExecutor(device)
@@ -210,7 +211,14 @@ class LookaheadTrainPipeline(TrainPipeline):
                 "this LookaheadTrainPipeline is closed (by close(), the end of its with "
                 "block, or an error it raised): build a new one to train on"
             )
+        if self._data_done and dataloader_iter is not self._data:
+            raise RuntimeError(
+                "this LookaheadTrainPipeline's data ended, and it closed: build a new one "
+                "for each epoch (TorchRec's TrainPipelineSparseDist takes a new iterator; "
+                "this one would train nothing on it)"
+            )
         if not self._stage.started:
+            self._data = dataloader_iter
             self._stage.start(dataloader_iter)
         self._fill()
         if not self._window:
