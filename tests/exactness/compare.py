@@ -356,8 +356,12 @@ def rate_factor(config: Config, step: int) -> float:
 
 
 def _local(value) -> list[torch.Tensor]:  # noqa: ANN001
+    """This rank's tensors of a state entry: a tensor, a sharded tensor's local shards, or
+    (an optimizer's state of one parameter) each of a mapping's values, in key order."""
     if hasattr(value, "local_shards"):
         return [shard.tensor for shard in value.local_shards()]
+    if isinstance(value, dict):
+        return [t for key in sorted(value) for t in _local(value[key])]
     return [value] if isinstance(value, torch.Tensor) else []
 
 
@@ -379,6 +383,8 @@ def _state_gap(expected: dict, got: dict, what: str) -> tuple[float, str]:
         return float("inf"), f"{what} keys"
     worst, where = 0.0, ""
     for key in expected:
+        if isinstance(expected[key], dict) and sorted(expected[key]) != sorted(got[key]):
+            return float("inf"), f"{what} {key} keys"
         for a, b in zip(_local(expected[key]), _local(got[key]), strict=True):
             gap = _gap(a, b)
             if gap > worst:
