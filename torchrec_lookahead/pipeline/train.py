@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import time
 import weakref
 from collections import deque
@@ -27,6 +28,8 @@ from torchrec_lookahead.steps import LookaheadModule, StepContext
 from torchrec_lookahead.votes import VoteGroup
 
 __all__ = ["LookaheadTrainPipeline"]
+
+logger = logging.getLogger(__name__)
 
 
 class LookaheadTrainPipeline(TrainPipeline):
@@ -106,10 +109,10 @@ class LookaheadTrainPipeline(TrainPipeline):
         self._cached = [m for m in model.modules() if isinstance(m, LookaheadModule)]
         if not self._cached:
             raise ValueError("the model holds no LookaheadEmbeddingBagCollection")
-        _check_free(self._cached)
         _check_sharded(model)
         load_kernels()  # not on the first step's critical path
         window = WindowSettings(lookahead, prefetch_distance, planning_workers, planner)
+        _close_others(self._cached)  # every check passed: from here on things change
         for module in self._cached:
             module.open_window(window)
         self._window_settings = window
@@ -314,16 +317,19 @@ def _reading_vote(modules: Sequence[Any], device: torch.device) -> VoteGroup | N
     return VoteGroup(dist.get_process_group_ranks(envs[0].process_group), device)
 
 
-def _check_free(modules: Sequence[Any]) -> None:
-    """Refuse modules in the window of a pipeline not closed: opening a window empties the
-    caches and restarts the oracles under the other pipeline's running steps."""
-    held = {id(module) for pipeline in list(_OPEN) for module in pipeline._cached}
-    if any(id(module) in held for module in modules):
-        raise ValueError(
-            "the model's lookahead modules are in the window of another "
-            "LookaheadTrainPipeline, not closed: close it first (pipeline.close(), or "
-            "build it in a with block); the end of its data closes it too"
-        )
+def _close_others(modules: Sequence[Any]) -> None:
+    """Close the pipelines not closed whose windows hold any of ``modules``: opening a
+    window empties the caches and restarts the oracles, under such a pipeline's running
+    steps. Closed, a pipeline only refuses to go on (its steps not run are dropped, as
+    by ``close``); one left open, e.g. at a loop's early end, is often unreachable."""
+    mine = {id(module) for module in modules}
+    for pipeline in list(_OPEN):
+        if any(id(module) in mine for module in pipeline._cached):
+            logger.warning(
+                "closing a LookaheadTrainPipeline still open on this model's lookahead "
+                "modules before building another (close a pipeline when done with it)"
+            )
+            pipeline.close()
 
 
 def _check_sharded(model: torch.nn.Module) -> None:
