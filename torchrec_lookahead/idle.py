@@ -23,7 +23,7 @@ def run_normally(thread: threading.Thread) -> None:
     idle thread may get no cycle before the wait gives up, and still be in torch's code
     when the interpreter exits. Where Linux does not let this process raise a thread's
     priority (``RLIMIT_NICE``), or the thread is gone, nothing changes."""
-    if hasattr(os, "SCHED_OTHER") and thread.native_id is not None:
+    if hasattr(os, "SCHED_OTHER") and thread.native_id is not None and thread.is_alive():
         try:
             os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))
         except (PermissionError, ProcessLookupError):
