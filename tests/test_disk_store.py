@@ -77,6 +77,23 @@ def test_training_on_disk_matches_all_resident_training(optimizer, workers, tmp_
     assert len(list((tmp_path / "t0").glob("oracle.*.i64"))) >= workers
 
 
+def test_later_pipelines_may_plan_with_other_workers(tmp_path):
+    """The oracles' row tables are scratch: a pipeline with another number of planning
+    workers makes its own (shapes change with the partitions), and leaves no stale ones."""
+    model = lookahead_model("rowwise_adagrad", cache_load_factor=0.1, store_dir=tmp_path)
+    twin = reference_twin(model, "rowwise_adagrad")
+    expected = train_reference(twin, DATA)
+    outputs = []
+    for workers, part in ((2, DATA[:20]), (1, DATA[20:40]), (3, DATA[40:])):
+        got, _ = train_lookahead(model, part, 8, 1, planning_workers=workers)
+        outputs += got
+        row_tables = list((tmp_path / "t0").glob("oracle.t0.0.*.i64"))  # pool 0's
+        assert len(row_tables) == workers, sorted(p.name for p in row_tables)
+    for step, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        assert torch.equal(got, want), f"step {step} output differs"
+    assert_same_training_state(model, twin)
+
+
 def test_state_dicts_are_interchangeable_with_plain_torchrec(tmp_path):
     torch.manual_seed(0)
     on_disk = LookaheadEmbeddingBagCollection(tables=tables(), store_dir=tmp_path)

@@ -31,6 +31,7 @@ import fcntl
 import json
 import os
 import queue
+import re
 import threading
 import weakref
 from pathlib import Path
@@ -172,11 +173,7 @@ class StoreFiles:
         old = path.stat().st_size if path.exists() else 0
         if nbytes > _free_bytes(self.directory) + old:
             raise _no_space(path, nbytes)
-        if self._layout.pop(name, None) is not None:
-            self._write_layout()  # a crash while the file is remade leaves no stale record
-        path.unlink(missing_ok=True)  # a new inode: earlier mappings keep theirs
-        if name in self._tensors:
-            os.close(self._tensors.pop(name)[1])
+        self._remove(name, path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             if nbytes:
@@ -195,6 +192,22 @@ class StoreFiles:
         mapped = mapped.view(shape)
         self._tensors[name] = (mapped, fd)
         return mapped
+
+    def remove_series(self, name: str) -> None:
+        """Removes the tensors ``name.0``, ``name.1``, ...: scratch made in a series
+        (an oracle's row tables, one per partition), which a later series may make in
+        other shapes and numbers. Mappings made earlier keep their contents."""
+        series = re.compile(re.escape(name) + r"\.\d+")
+        for recorded, fields in list(self._layout.items()):
+            if series.fullmatch(recorded):
+                self._remove(recorded, self.directory / f"{recorded}.{fields['dtype']}")
+
+    def _remove(self, name: str, path: Path) -> None:
+        if self._layout.pop(name, None) is not None:
+            self._write_layout()  # a crash while the file is removed leaves no stale record
+        path.unlink(missing_ok=True)  # a new file gets a new inode: mappings keep theirs
+        if name in self._tensors:
+            os.close(self._tensors.pop(name)[1])
 
     def region(self, view: torch.Tensor) -> tuple[int, int]:
         """``(fd, byte offset)`` of the first element of ``view``, a view of a store tensor."""

@@ -206,7 +206,9 @@ class MmapStore(HostStore):
     def row_table(self, name: str) -> Callable[[int], np.ndarray] | None:
         """Makes an oracle's per-row table (``OracleCacher(row_table=...)``) in store
         files ``name.0``, ``name.1``, ... (one per call): its private memory then
-        does not grow with the table either."""
+        does not grow with the table either. They are scratch: an earlier oracle's
+        under ``name`` (another pipeline's, perhaps partitioned otherwise) are removed."""
+        self.files.remove_series(name)
         made = itertools.count()
 
         def make(num_rows: int) -> np.ndarray:
