@@ -8,6 +8,7 @@ import pytest
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tests.models import (
@@ -138,6 +139,16 @@ def test_bad_settings_are_refused() -> None:
     bare = LookaheadEmbeddingBagCollection(UNWEIGHTED)
     with pytest.raises(ValueError, match="no fused optimizer"):
         LookaheadTrainPipeline(bare, torch.optim.SGD([torch.zeros(1)], lr=0.1), torch.device("cpu"))
+
+
+def test_an_optimizer_fbgemm_cannot_run_on_the_cpu_is_refused_naming_the_tables() -> None:
+    """FBGEMM's CPU TBE failed an assertion naming no table or remedy."""
+    module = LookaheadEmbeddingBagCollection(UNWEIGHTED, cache_load_factor=0.1)
+    apply_optimizer_in_backward(torch.optim.Adam, module.parameters(), {"lr": 0.1})
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"tables \['t0', 't1', 't2'\]: .* optimizer ADAM"):
+        LookaheadTrainPipeline(module, torch.optim.SGD([torch.zeros(1)], lr=0.1), "cpu")
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
 
 
 def test_metrics_count_lookups_hits_and_moves() -> None:

@@ -24,10 +24,25 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 
-__all__ = ["TRAINED", "check_trained", "set_learning_rate", "training_tbe"]
+__all__ = [
+    "CPU_OPTIMIZERS",
+    "TRAINED",
+    "check_optimizer",
+    "check_trained",
+    "set_learning_rate",
+    "training_tbe",
+]
 
 # The tables' data types FBGEMM's TBE trains on the CPU, and the TBE precision of each.
 TRAINED = {DataType.FP32: SparseType.FP32, DataType.FP16: SparseType.FP16}
+
+# The fused optimizers FBGEMM's CPU TBE runs (its constructor asserts the same list).
+CPU_OPTIMIZERS = (
+    EmbOptimType.EXACT_SGD,
+    EmbOptimType.EXACT_ADAGRAD,
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
+)
 
 _ACCEPTED = set(inspect.signature(SplitTableBatchedEmbeddingBagsCodegen).parameters)
 
@@ -85,6 +100,19 @@ def check_trained(tables: Sequence[EmbeddingBagConfig]) -> None:
                 f"lookahead caching, which trains {trained} (what FBGEMM's TBE trains on "
                 "the CPU); give the table one of those"
             )
+
+
+def check_optimizer(optimizer: EmbOptimType, device: torch.device, tables: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming ``tables`` if FBGEMM's TBE on ``device`` does not run
+    ``optimizer`` (on the CPU, :data:`CPU_OPTIMIZERS`), before any TBE is built: FBGEMM
+    itself fails an assertion naming neither the tables nor the remedy."""
+    if device.type != "cuda" and optimizer not in CPU_OPTIMIZERS:
+        runs = ", ".join(o.name for o in CPU_OPTIMIZERS)
+        raise ValueError(
+            f"tables {list(tables)}: FBGEMM's CPU TBE does not run the fused optimizer "
+            f"{optimizer.name}; on the CPU it runs {runs} (torch.optim.SGD, "
+            "torch.optim.Adagrad and torchrec.optim.RowWiseAdagrad in backward)"
+        )
 
 
 def set_learning_rate(tbe: SplitTableBatchedEmbeddingBagsCodegen, rate: float) -> None:

@@ -23,6 +23,7 @@ from torchrec_lookahead.cache.group import CacheGroup
 from torchrec_lookahead.settings import CacheSizing
 from torchrec_lookahead.store.files import StoreFiles
 from torchrec_lookahead.store.stores import HostStore, MmapStore
+from torchrec_lookahead.tbe import check_optimizer
 
 __all__ = ["GroupTable", "build_cache_group", "check_disk_store"]
 
@@ -82,6 +83,7 @@ def build_cache_group(
     params.pop("preallocated_host_buffers", None)  # the store TBE's, not the cache's
     optimizer = params.pop("optimizer")
     names = [t.name for t in tables]
+    check_optimizer(optimizer, device, names)
     store: HostStore
     if files is not None:
         store = MmapStore(files, names, weights, states)
