@@ -1,9 +1,10 @@
 """The example's checkpoints when a write fails part way (a full disk, a file size limit):
 a clear error naming the folder, and the last complete checkpoint still published and
-loadable."""
+loadable; and what a rename publishes is on disk before it."""
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 from pathlib import Path
@@ -41,3 +42,33 @@ def test_a_failed_write_leaves_the_last_checkpoint_published(tmp_path: Path, one
     assert state["step"] == 1 and bool((state["w"] == 1).all())
     saver.save(2, lambda: {"w": torch.full((1 << 18,), 2.0), "step": 2})  # space again: it saves
     assert latest(str(root)) == str(root / "step_00000002")
+
+
+def test_a_checkpoint_is_on_disk_before_a_rename_publishes_it(
+    tmp_path: Path, one_rank, monkeypatch
+) -> None:
+    """A power cut after a rename must not leave ``latest`` naming files the page cache
+    held: every file and folder entry a rename publishes is synced before it, and the
+    renames themselves after."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("sync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src: str, dst: str) -> None:
+        events.append(("rename", os.path.basename(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    root = tmp_path / "ckpt"
+    Checkpointer(str(root), files={"model.json": "{}"}).save(3, lambda: {"w": torch.ones(4)})
+    renames = [i for i, event in enumerate(events) if event[0] == "rename"]
+    assert [events[i][1] for i in renames] == ["step_00000003", "latest"]
+    synced_before = {name for kind, name in events[: renames[0]] if kind == "sync"}
+    assert {"model.json", ".step_00000003.partial"} <= synced_before
+    assert ("sync", ".latest.partial") in events[renames[0] : renames[1]]
+    assert events[-1] == ("sync", "ckpt")  # the renames' own entries
+    assert latest(str(root)) == str(root / "step_00000003")

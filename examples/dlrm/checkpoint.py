@@ -75,6 +75,23 @@ def prune(root: str, keep: int) -> list[str]:
     return removed
 
 
+def _write_synced(path: str, text: str) -> None:
+    """Write ``text`` into the file ``path`` and sync it to disk."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_directory(path: str) -> None:
+    """Sync the directory ``path``'s entries (files made or renamed in it) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def snapshot(state: Any, into: Any = None) -> Any:
     """A copy of ``state`` that later training cannot change: every tensor (every local
     shard of a ``ShardedTensor``) copied to CPU memory, containers rebuilt.
@@ -241,15 +258,17 @@ class Checkpointer:
             ) from error
         dist.barrier(group=group)
         if rank0:
+            # Each rename publishes only what is on disk: a power cut after it must not
+            # leave ``latest`` naming a folder whose files were still in the page cache.
             for name, text in self.files.items():
-                with PATHS.open(os.path.join(partial, name), "w") as f:
-                    f.write(text)
+                _write_synced(os.path.join(partial, name), text)
+            _sync_directory(partial)  # DCP syncs its files' data, not their names
             shutil.rmtree(final, ignore_errors=True)  # an unpublished leftover: not latest
             os.replace(partial, final)
             pointer = os.path.join(self.root, ".latest.partial")
-            with PATHS.open(pointer, "w") as f:
-                f.write(os.path.basename(final))
+            _write_synced(pointer, os.path.basename(final))
             os.replace(pointer, os.path.join(self.root, "latest"))
+            _sync_directory(self.root)
             try:
                 prune(self.root, self.keep)
             except OSError as error:  # an old checkpoint left behind is no reason to stop
