@@ -55,6 +55,7 @@ class HotCase:
     reattach_at: int | None = None  # (c) close the pipeline after this step, attach another
     reload_at: tuple[int, int] | None = None  # (e) (j, k): after step k load step j's state
     mismatched_hot_rows: bool = False  # (b) rank 1 replicates other rows
+    eval_first: bool = False  # (g) an eval forward before the first step, outside the pipeline
 
 
 def rate(step: int) -> float:
@@ -101,6 +102,15 @@ def check_hot_case(case: HotCase, rank: int, world_size: int) -> None:
             assert "hold other hot rows" in str(error), error
             return
         raise AssertionError("ranks with different hot rows trained")
+
+    if case.eval_first:  # TorchRec's dists made from a plain batch; the steps' are variable
+        for model in (base, look):
+            model.eval()
+        with torch.no_grad():
+            expected, got = base(batches[0])[1][1], look(batches[0])[1][1]
+        for model in (base, look):
+            model.train()
+        assert torch.equal(expected, got), f"{case}: rank {rank}: the first eval differs"
 
     snapshot = plain() if case.reload_at else None
     base_rates = [g["lr"] for g in base_opt.param_groups]

@@ -298,6 +298,15 @@ def test_hot_rows_survive_a_new_pipeline_and_a_checkpoint_loaded_mid_run() -> No
     )
 
 
+def test_hot_rows_train_like_plain_torchrec_after_an_eval_forward_before_the_first_step() -> None:
+    """(g) An eval forward of the model itself before the first step: TorchRec makes its
+    output dists from that plain batch, the steps send the cold part as a variable batch
+    (before: "variable batch dist is not initialized!" at the first step)."""
+    from tests.hot_cases import HotCase
+
+    _spawn_hot([HotCase(eval_first=True, steps=12)])
+
+
 def _refuse_2d(rank: int, port: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torchrec.distributed.types import ShardingEnv2D

@@ -106,7 +106,37 @@ class _ShardedParts(TorchRecPart):
 
 
 class ShardedCollectionBase(_ShardedParts, ShardedEmbeddingBagCollection):
-    """TorchRec's sharded ``EmbeddingBagCollection`` with the hooks of :class:`_ShardedParts`."""
+    """TorchRec's sharded ``EmbeddingBagCollection`` with the hooks of :class:`_ShardedParts`,
+    and output dists of their own for variable batches.
+
+    TorchRec's output dists (``_output_dists``) are built for the kind of the first batch
+    they pass, and TorchRec reads the variable batches' feature order
+    (``_create_inverse_indices_permute_indices``) at its first input dist only: a
+    module sent a plain batch first (an eval forward) and variable batches after (the
+    hot rows' cold part) fails, or orders them wrongly. Variable batches therefore get
+    output dists of their own, made (with that order) at the first of them; plain batches
+    keep TorchRec's.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._variable_output_dists: list[torch.nn.Module] = []
+        super().__init__(*args, **kwargs)
+
+    def compute_and_output_dist(self, ctx: Any, input: Any) -> Any:
+        if not ctx.variable_batch_per_feature:
+            return super().compute_and_output_dist(ctx, input)
+        if not self._variable_output_dists:
+            self._create_inverse_indices_permute_indices(ctx.inverse_indices)
+            self._variable_output_dists = [
+                sharding.create_output_dist(device=self._device)
+                for sharding in self._embedding_shardings
+            ]
+        plain: list[torch.nn.Module] = self._output_dists  # type: ignore[has-type]
+        self._output_dists = self._variable_output_dists
+        try:
+            return super().compute_and_output_dist(ctx, input)
+        finally:
+            self._output_dists = plain
 
     def _shardings(self) -> list[Any]:
         return list(self._embedding_shardings)
