@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -56,7 +55,9 @@ def main() -> None:
     for clf in args.load_factors:
         predicted_misses = measured_misses = distinct = 0.0
         for stat, stream, n in zip(stats, full, rows):
-            capacity = min(n, max(math.ceil(clf * n), pinned_rows_needed(stream, 1)))
+            # The module's cache at clf (its floor: what d + 1 first batches can touch),
+            # raised to what this stream's window needs if that is more.
+            capacity = min(n, max(stat.capacity(clf), pinned_rows_needed(stream, 1)))
             misses = oracle_misses(stream, capacity, args.lookahead, 1, n)
             half = len(stream) // 2
             step_distinct = np.array([len(np.unique(b)) for b in stream[half:]])

@@ -55,7 +55,8 @@ def optimizer_state_floats(optimizer: EmbOptimType | type, dim: int) -> int:
 class TableCacheCost:
     """Costs of caching ``load_factor`` of a table's rows (all of its shards together).
 
-    Device memory: cache rows x (weights + optimizer state) + the slot index,
+    Device memory: cache rows x (weights, of ``weight_bytes`` each, + optimizer state,
+    FP32 as FBGEMM keeps it) + the slot index,
     and, on a GPU under a row-wise optimizer, the store's row-wise state (FBGEMM
     keeps a UVM table's row-wise optimizer state in device memory).
     Host memory: the full table with optimizer state + the oracle's per-row state.
@@ -68,10 +69,11 @@ class TableCacheCost:
     state_floats: int
     stats: LookaheadCacheStatistics
     rowwise_state: bool = False  # one state float per row (row-wise Adagrad and the like)
+    weight_bytes: int = 4  # per weight: 2 for an FP16 table
 
     @property
     def row_bytes(self) -> int:
-        return 4 * (self.dim + self.state_floats)
+        return self.weight_bytes * self.dim + 4 * self.state_floats
 
     def slots_at(self, load_factor: float) -> int:
         """The rows the module caches at ``load_factor`` (its statistics' sizing)."""

@@ -8,7 +8,9 @@ lookahead layout:
 
 * storage: device memory for the shard's cache (rows x (weights + optimizer
   state) + slot index), host memory for the full shard, its optimizer state
-  and the oracle's per-row state (on a CPU topology both are host memory);
+  and the oracle's per-row state (on a CPU topology both are host memory); a
+  shard of no rows (row-wise over more ranks than rows), which the sharder
+  refuses, more than any device holds;
 * perf: the shard's row traffic per step over the host-device bandwidth,
   counted (as ``prefetch_compute``) only beyond the shard's compute time.
 """
@@ -33,6 +35,8 @@ from planners.cost import TableCacheCost, row_move_bandwidth
 from torchrec_lookahead.embedding.cached import CachedCollection
 
 __all__ = ["LookaheadPerfEstimator", "LookaheadStorageEstimator"]
+
+_UNPLACEABLE = 1 << 62  # bytes no device or host has
 
 
 class _LookaheadShards(ShardEstimator):
@@ -73,7 +77,9 @@ class LookaheadStorageEstimator(_LookaheadShards, EmbeddingStorageEstimator):
         for shard, cost, clf, share in self._lookahead_shards(sharding_options):
             device = int(cost.device_bytes(clf) * share)
             host = int(cost.host_bytes() * share)
-            if self._cpu:
+            if not shard.size[0]:  # the sharder refuses a rank without rows: never placed
+                shard.storage = Storage(hbm=_UNPLACEABLE, ddr=_UNPLACEABLE)
+            elif self._cpu:
                 shard.storage = Storage(hbm=0, ddr=device + host)
             else:  # the store's row-wise state lives in device memory there
                 state = int(cost.store_device_bytes() * share)
@@ -88,4 +94,6 @@ class LookaheadPerfEstimator(_LookaheadShards, EmbeddingPerfEstimator):
                 continue
             moved_ms = cost.bytes_per_step(clf) * share / self._bandwidth
             compute_ms = shard.perf.fwd_compute + shard.perf.bwd_compute
-            shard.perf.prefetch_compute += max(0.0, moved_ms - compute_ms)
+            # Set, not added: TorchRec's estimate of a UVM cache's prefetch (from the same
+            # statistics, on a CUDA topology) is this one's, counted once.
+            shard.perf.prefetch_compute = max(0.0, moved_ms - compute_ms)

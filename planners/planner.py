@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -9,7 +10,8 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.types import CacheParams, ShardingPlan
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+from torchrec.modules.embedding_configs import DATA_TYPE_NUM_BITS, BaseEmbeddingConfig
 
 from planners.cost import (
     ROWWISE_OPTIMIZERS,
@@ -22,6 +24,10 @@ from planners.proposer import CacheProposal, LookaheadCacheProposer
 from planners.statistics import LookaheadCacheStatistics
 
 __all__ = ["LookaheadShardingPlanner", "lookahead_planner", "plan_report"]
+
+# TorchRec takes a UVM cache's load factor strictly below 1. Just below it a table's cache
+# still holds every row: ceil(clf * rows) is rows for any table of fewer than 2**52 rows.
+_WHOLE_UVM_CACHE = math.nextafter(1.0, 0.0)
 
 
 class LookaheadShardingPlanner(EmbeddingShardingPlanner):
@@ -47,7 +53,7 @@ def lookahead_planner(
     batch_size: int,
     tables: Sequence[BaseEmbeddingConfig],
     statistics: Mapping[str, LookaheadCacheStatistics],
-    optimizer: EmbOptimType,
+    optimizer: EmbOptimType | type,
     step_compute_ms: float,
     cache_budget_bytes: int | None = None,
     constraints: Mapping[str, ParameterConstraints] | None = None,
@@ -65,17 +71,25 @@ def lookahead_planner(
         batch_size: per-rank batch size, as for ``EmbeddingShardingPlanner``.
         tables: the lookahead tables' configs: ``EmbeddingBagConfig`` (bag collections),
             ``EmbeddingConfig`` (sequence collections), or both.
-        statistics: measured miss rates per table name (``LookaheadCacheStatistics``).
-        optimizer: the fused optimizer (its state travels with the rows).
+        statistics: measured miss rates per table name (``LookaheadCacheStatistics``
+            over each table's rows).
+        optimizer: the fused optimizer (its state travels with the rows): an
+            ``EmbOptimType``, or the class given to ``apply_optimizer_in_backward``.
         step_compute_ms: a step's compute time, which prefetches hide behind.
         cache_budget_bytes: device memory for all caches (None: grow until stall-free).
         constraints: the user's constraints per table: every field of them and of their
             ``cache_params`` is kept but ``cache_params.load_factor`` and ``.stats``,
-            which the planner sets (in copies; ``planner.constraints`` holds them).
+            which the planner sets (in copies; ``planner.constraints`` holds them). On
+            a CUDA topology a table cached whole gets the load factor just below 1, which
+            TorchRec's UVM caching takes (the cache still holds every row).
     """
     missing = sorted({t.name for t in tables} - set(statistics))
     if missing:
         raise ValueError(f"no cache statistics for tables {missing}")
+    for t in tables:
+        _check_statistics(t, statistics[t.name])
+    if isinstance(optimizer, type):  # the class given to apply_optimizer_in_backward
+        optimizer = optimizer_type_to_emb_opt_type(optimizer)
     costs = {
         t.name: TableCacheCost(
             t.name,
@@ -84,15 +98,18 @@ def lookahead_planner(
             optimizer_state_floats(optimizer, t.embedding_dim),
             statistics[t.name],
             optimizer in ROWWISE_OPTIMIZERS,
+            weight_bytes=DATA_TYPE_NUM_BITS[t.data_type] // 8,
         )
         for t in tables
     }
     proposal = LookaheadCacheProposer(
         row_move_bandwidth(topology), step_compute_ms, cache_budget_bytes
     ).propose(list(costs.values()))
-    merged = dict(constraints or {})
+    merged = {name: c for name, c in (constraints or {}).items() if c is not None}
     for name, clf in proposal.load_factors.items():
         base = merged.get(name, ParameterConstraints())
+        if topology.compute_device != "cpu":
+            clf = min(clf, _WHOLE_UVM_CACHE)
         cache = replace(base.cache_params or CacheParams(), load_factor=clf, stats=statistics[name])
         merged[name] = replace(base, cache_params=cache)
     estimators = [
@@ -102,6 +119,20 @@ def lookahead_planner(
     enumerator = EmbeddingEnumerator(topology, batch_size, constraints=merged, estimator=estimators)
     planner = LookaheadShardingPlanner(topology, batch_size, enumerator, merged)
     return planner, proposal
+
+
+def _check_statistics(table: BaseEmbeddingConfig, stats: object) -> None:
+    """Statistics measured over another table would size its cache wrongly: refused."""
+    if not isinstance(stats, LookaheadCacheStatistics):
+        raise ValueError(
+            f"table {table.name}: its statistics are a {type(stats).__name__}, not "
+            "LookaheadCacheStatistics"
+        )
+    if stats.num_rows != table.num_embeddings:
+        raise ValueError(
+            f"table {table.name}: its statistics were measured over {stats.num_rows:,} rows, "
+            f"but the table has {table.num_embeddings:,}; measure them over its own ids"
+        )
 
 
 def plan_report(plan: ShardingPlan, proposal: CacheProposal) -> str:

@@ -51,7 +51,7 @@ class LookaheadCacheProposer:
         budget_bytes: int | None = None,
         grid: Sequence[float] = LOAD_FACTOR_GRID,
     ) -> None:
-        if bandwidth <= 0 or step_compute_ms < 0:
+        if not (bandwidth > 0 and step_compute_ms >= 0):  # NaN too
             raise ValueError("bandwidth must be positive and step_compute_ms non-negative")
         self.bandwidth = bandwidth
         self.step_compute_ms = step_compute_ms

@@ -16,6 +16,7 @@ from torchrec.distributed.types import CacheStatistics
 
 from torchrec_lookahead.oracle.cacher import as_id_array
 from torchrec_lookahead.oracle.misses import oracle_misses
+from torchrec_lookahead.settings import check_count
 
 __all__ = ["LOAD_FACTOR_GRID", "LookaheadCacheStatistics"]
 
@@ -61,6 +62,10 @@ class LookaheadCacheStatistics(CacheStatistics):
     ) -> None:
         if len(batches) < 2:
             raise ValueError(f"{name}: need at least 2 sample batches, got {len(batches)}")
+        check_count(f"{name}: prefetch_distance", prefetch_distance, 0)
+        bad_grid = [f for f in grid if not 0 < f <= 1]  # NaN too
+        if bad_grid:
+            raise ValueError(f"{name}: grid load factors must lie in (0, 1], got {bad_grid}")
         steps = [
             as_id_array(b, f"{name}, sample batch {i}", num_rows) for i, b in enumerate(batches)
         ]
@@ -77,14 +82,38 @@ class LookaheadCacheStatistics(CacheStatistics):
         self.min_load_factor = self.min_rows / num_rows
         warm = len(steps) // 2
         self.grid = np.array(sorted(set(grid) | {1.0}), dtype=np.float64)
+        # The oracle's misses depend on the ids' order, not their values: renumbered in
+        # order, the sample's rows are its distinct ids, and the oracle's per-row state
+        # grows with those, not with the table (a billion-row table's statistics fit).
+        sample_rows, renumbered = np.unique(np.concatenate(steps), return_inverse=True)
+        steps = np.split(renumbered.astype(np.int64), np.cumsum([len(s) for s in steps])[:-1])
         at: dict[int, float] = {}  # rate per cache size: load factors under the floor share one
         for clf in self.grid:
-            capacity = self.capacity(clf)
+            capacity = min(self.capacity(clf), len(sample_rows))  # more slots: the same misses
             if capacity not in at:
-                misses = oracle_misses(steps, capacity, lookahead, d, num_rows)
+                misses = oracle_misses(steps, capacity, lookahead, d, len(sample_rows))
                 at[capacity] = misses[warm:].sum() / max(distinct[warm:].sum(), 1)
-        rates = np.array([at[self.capacity(clf)] for clf in self.grid])
+        rates = np.array([at[min(self.capacity(clf), len(sample_rows))] for clf in self.grid])
         self.rates = np.minimum.accumulate(rates)  # more cache never misses more
+
+    def stable_fingerprint(self) -> tuple[object, ...]:
+        """Everything ``expected_miss_rate`` and ``expected_lookups`` answer from, versioned:
+        what TorchRec's planner keys a plan by (its later versions call this; earlier ones
+        hash ``str(cache_params)``, which prints it)."""
+        return (
+            "lookahead_cache_statistics",
+            1,
+            self.num_rows,
+            self.min_rows,
+            self._lookups,
+            tuple(self.grid.tolist()),
+            tuple(self.rates.tolist()),
+        )
+
+    def __repr__(self) -> str:
+        fields = ("num_rows", "min_rows", "lookups", "grid", "rates")
+        values = ", ".join(f"{f}={v!r}" for f, v in zip(fields, self.stable_fingerprint()[2:]))
+        return f"{type(self).__name__}({values})"
 
     def capacity(self, clf: float) -> int:
         """The cache rows the module holds for a load factor of ``clf``: its share of the

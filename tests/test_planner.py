@@ -39,8 +39,11 @@ from torchrec_lookahead import (
     LookaheadEmbeddingCollection,
     LookaheadEmbeddingCollectionSharder,
 )
+from torchrec_lookahead import LookaheadEmbeddingBagCollectionSharder as Sharder
 from torchrec_lookahead.data import SyntheticCriteo
+from torchrec_lookahead.embedding.sharder import check_plan
 from torchrec_lookahead.oracle.misses import oracle_misses
+from torchrec_lookahead.settings import CacheSizing
 
 FEATURES = {"t0": (["f0", "f1"], 4000, 0), "t2": (["f3"], 10000, 2)}
 
@@ -424,3 +427,173 @@ def test_plans_for_a_sequence_table_carry_the_proposed_cache_size(lookahead: boo
     (sharding,) = next(iter(plan.plan.values())).values()
     assert sharding.cache_params.load_factor == clf
     assert "item" in plan_report(plan, proposal)
+
+
+def _bag_tables(sizes: tuple[int, ...], dim: int = 16, **config: Any) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"], **config
+        )
+        for i, n in enumerate(sizes)
+    ]
+
+
+def _meta_collection(tables: list[EmbeddingBagConfig]) -> LookaheadEmbeddingBagCollection:
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+    return LookaheadEmbeddingBagCollection(tables, device=torch.device("meta"), fused_params=fused)
+
+
+def test_a_table_cached_whole_plans_on_a_cuda_topology() -> None:
+    """TorchRec refuses a UVM cache's load factor of 1.0 ("strictly between 0 and 1"): a
+    table the proposer caches whole gets the load factor just below 1, whose cache still
+    holds every row."""
+    tables = _bag_tables((10, 4000))
+    stats = {
+        "t0": LookaheadCacheStatistics([np.arange(10)] * 4, 10, 8, 1, "t0"),
+        "t1": zipf_stats(4000, 256, 1.0, seed=1),
+    }
+    planner, proposal = lookahead_planner(
+        Topology(world_size=1, compute_device="cuda"), 64, tables, stats, SGD, 1.0
+    )
+    assert proposal.load_factors["t0"] == 1.0
+    shardings = next(iter(planner.plan(_meta_collection(tables), [Sharder()]).plan.values()))
+    clf = shardings["t0"].cache_params.load_factor
+    assert shardings["t0"].compute_kernel == "fused_uvm_caching" and 0.999 < clf < 1.0
+    assert CacheSizing().rows("t0", 10, 10, clf) == 10  # every row, as at 1.0
+
+
+def test_statistics_of_another_table_are_refused() -> None:
+    tables = _bag_tables((50_000,))
+    cpu = Topology(world_size=1, compute_device="cpu")
+    other = zipf_stats(5000, 256, 1.0, seed=1)  # measured over a table of 5,000 rows
+    with pytest.raises(ValueError, match="table t0: .* measured over 5,000 rows, .* 50,000"):
+        lookahead_planner(cpu, 64, tables, {"t0": other}, SGD, 1.0)
+    with pytest.raises(ValueError, match="table t0: its statistics are a NoneType"):
+        lookahead_planner(cpu, 64, tables, {"t0": None}, SGD, 1.0)  # type: ignore[dict-item]
+
+
+def test_fp16_tables_cost_half_the_weight_bytes() -> None:
+    """FBGEMM keeps an FP16 table's weights in half precision, its optimizer state in FP32."""
+    stats = {"t0": zipf_stats(4000, 256, 1.0, seed=1)}
+    cpu = Topology(world_size=1, compute_device="cpu")
+    host = {}
+    for data_type in (DataType.FP32, DataType.FP16):
+        tables = _bag_tables((4000,), dim=16, data_type=data_type)
+        _, proposal = lookahead_planner(cpu, 64, tables, stats, RowWiseAdagrad, 1.0)
+        host[data_type] = proposal.host_bytes["t0"]
+    oracle = 12  # ORACLE_BYTES_PER_ROW
+    assert host[DataType.FP32] == 4000 * (4 * 16 + 4 + oracle)
+    assert host[DataType.FP16] == 4000 * (2 * 16 + 4 + oracle)
+
+
+def test_an_optimizer_class_costs_as_its_fbgemm_type() -> None:
+    """``RowWiseAdagrad`` (the class given to ``apply_optimizer_in_backward``) keeps its
+    row-wise state in device memory on a CUDA topology, as ``EXACT_ROWWISE_ADAGRAD`` does."""
+    tables = _bag_tables((4000,))
+    stats = {"t0": zipf_stats(4000, 256, 1.0, seed=1)}
+    cuda = Topology(world_size=1, compute_device="cuda")
+    storage = []
+    for optimizer in (RowWiseAdagrad, EmbOptimType.EXACT_ROWWISE_ADAGRAD):
+        planner, _ = lookahead_planner(cuda, 64, tables, stats, optimizer, 1.0)
+        options = planner.enumerator.enumerate(_meta_collection(tables), [Sharder()])
+        storage.append([(o.sharding_type, [s.storage for s in o.shards]) for o in options])
+    assert storage[0] == storage[1]
+
+
+def test_a_lookahead_prefetch_is_estimated_once_on_a_cuda_topology() -> None:
+    """TorchRec's perf estimator charges a UVM cache's prefetch from the same statistics:
+    the lookahead estimate replaces it, not adds to it."""
+    tables = _bag_tables((200_000,), dim=64)
+    stats = {"t0": zipf_stats(200_000, 4096, 1.0, seed=1)}
+    slow_link = Topology(world_size=1, compute_device="cuda", hbm_to_ddr_mem_bw=2e4)
+    planner, proposal = lookahead_planner(slow_link, 4096, tables, stats, SGD, 0.0, 3_000_000)
+    moved = proposal.bytes_per_step["t0"]  # at the proposed load factor, the whole table
+    for option in planner.enumerator.enumerate(_meta_collection(tables), [Sharder()]):
+        assert option.cache_params.load_factor == proposal.load_factors["t0"]
+        for shard in option.shards:
+            share = shard.size[0] / 200_000 * shard.size[1] / 64
+            compute = shard.perf.fwd_compute + shard.perf.bwd_compute
+            want = max(0.0, moved * share / slow_link.hbm_to_ddr_mem_bw - compute)
+            assert shard.perf.prefetch_compute == pytest.approx(want)
+
+
+def test_a_plan_never_gives_a_rank_no_rows_of_a_table() -> None:
+    """Row-wise over more ranks than a table's rows leaves a rank none, which the sharder
+    refuses: such options are never placed."""
+    tables = _bag_tables((1, 4000))
+    stats = {
+        "t0": LookaheadCacheStatistics([np.array([0])] * 3, 1, 8, 1, "t0"),
+        "t1": zipf_stats(4000, 256, 1.0, seed=1),
+    }
+    constraints = {"t0": ParameterConstraints(sharding_types=["row_wise", "table_wise"])}
+    planner, _ = lookahead_planner(
+        Topology(world_size=2, compute_device="cpu"),
+        256,
+        tables,
+        stats,
+        SGD,
+        1.0,
+        constraints=constraints,
+    )
+    module = _meta_collection(tables)
+    plan = planner.plan(module, [Sharder(cpu_row_wise=True)])
+    shardings = next(iter(plan.plan.values()))
+    assert shardings["t0"].sharding_type == "table_wise"
+    check_plan(module, shardings)  # what DMP runs first: no refusal
+
+
+def test_identical_planners_hash_alike() -> None:
+    """TorchRec's planner hashes ``str(cache_params)`` (to tell whether a stored plan still
+    fits): the statistics print their measurements, not an object's address."""
+    tables = _bag_tables((5000, 3000))
+    cpu = Topology(world_size=2, compute_device="cpu")
+    hashes = []
+    for _ in range(2):
+        stats = {t.name: zipf_stats(t.num_embeddings, 256, 1.0, seed=1) for t in tables}
+        planner, _ = lookahead_planner(cpu, 256, tables, stats, SGD, 1.0, 200_000)
+        planner.plan(_meta_collection(tables), [Sharder()])
+        hashes.append(planner.hash_planner_context_inputs_str())
+    assert hashes[0] == hashes[1]
+
+
+def test_statistics_cost_memory_by_the_sample_not_the_table() -> None:
+    """The oracle runs over the sample's ids renumbered in order: the same rates as over the
+    table's own ids, and a table of a trillion rows needs no per-row state."""
+    rng = np.random.default_rng(4)
+    sample = [np.minimum(rng.zipf(1.1, 300), 4999) * 997 for _ in range(8)]  # sparse ids
+    stats = LookaheadCacheStatistics(sample, 5000 * 997, 4, 1, "t", grid=(0.0002, 0.001))
+    for clf, rate in zip(stats.grid, stats.rates):
+        misses = oracle_misses(sample, stats.capacity(clf), 4, 1, 5000 * 997)
+        distinct = [len(np.unique(s)) for s in sample[4:]]
+        assert rate <= misses[4:].sum() / sum(distinct)  # the curve is made monotone
+    direct = oracle_misses(sample, stats.capacity(0.0002), 4, 1, 5000 * 997)
+    assert stats.rates[0] == direct[4:].sum() / sum(len(np.unique(s)) for s in sample[4:])
+    huge = LookaheadCacheStatistics(sample, 10**12, 4, 1, "t")
+    assert (huge.rates == stats.rates[-1]).all()  # every cache holds the sample: first touches
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prefetch_distance": -1}, "prefetch_distance must be"),
+        ({"grid": (0.1, float("nan"))}, r"grid load factors must lie in \(0, 1\]"),
+        ({"grid": (0.0, 0.5)}, r"grid load factors must lie in \(0, 1\]"),
+    ],
+)
+def test_bad_statistics_settings_are_refused(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        LookaheadCacheStatistics([np.arange(4)] * 2, 10, 2, name="t", **kwargs)
+
+
+def test_a_step_time_that_is_not_a_number_is_refused() -> None:
+    with pytest.raises(ValueError, match="step_compute_ms non-negative"):
+        LookaheadCacheProposer(1e3, float("nan"))
+
+
+def test_constraints_of_none_are_taken_as_none_given() -> None:
+    """TorchRec's planner takes ``{name: None}``; so does this one."""
+    tables = _bag_tables((4000,))
+    stats = {"t0": zipf_stats(4000, 256, 1.0, seed=1)}
+    cpu = Topology(world_size=1, compute_device="cpu")
+    planner, _ = lookahead_planner(cpu, 64, tables, stats, SGD, 1.0, constraints={"t0": None})
+    assert planner.constraints["t0"].cache_params.stats is stats["t0"]
