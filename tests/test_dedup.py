@@ -212,11 +212,19 @@ def test_bad_deduplicated_batches_are_refused_and_training_goes_on(changes, mess
     assert_same_training_state(model, twin)
 
 
-def test_a_batch_without_shared_bags_stays_plain() -> None:
+def test_a_batch_without_shared_bags_is_deduplicated_too() -> None:
+    """Under DMP each rank deduplicates its own part: one rank's plain batch beside another's
+    deduplicated one broke TorchRec's input dist (a collective), at two ranks of the DLRM
+    example with shuffled sessions. Every batch takes the deduplicated form."""
     counts = DedupCounts()
     features = session_batches(1, 1, dedup=False)[0].sparse_features
-    assert deduplicate(features, USER_KEYS) is features
-    counts.add(features)
+    deduplicated = deduplicate(features, USER_KEYS)
+    assert deduplicated.variable_stride_per_key()
+    assert deduplicated.stride_per_key() == [features.stride()] * len(features.keys())
+    assert torch.equal(deduplicated.values(), features.values())
+    _, inverse = deduplicated.inverse_indices()
+    assert torch.equal(inverse, torch.arange(features.stride()).expand_as(inverse))
+    counts.add(deduplicated)
     assert counts.ids_before == counts.ids_after == features.values().numel()
 
 

@@ -138,6 +138,29 @@ def test_deduplicated_sessions_match_plain_torchrec_and_report_savings(tmp_path:
     assert "ids saved by dedup" in done.stdout and "sparse bytes saved" in done.stdout
 
 
+def test_shuffled_sessions_deduplicate_alike_on_every_rank(tmp_path: Path) -> None:
+    """Shuffled, few samples share a session: a rank whose part shared none sent a plain
+    batch beside the other's deduplicated one, and TorchRec's input dist broke (plain
+    TorchRec's too: gloo's "collective mismatch")."""
+    done, summary = run(
+        tmp_path,
+        "--batch_size",
+        "256",
+        "--synthetic_samples_per_day",
+        "16384",
+        "--limit_train_batches",
+        "20",
+        "--baseline",
+        "--session_size",
+        "4",
+        "--dedup",
+        "--shuffle",
+        ranks=2,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert summary["weights_match"] is True and summary["steps_run"] == 20
+
+
 def test_planned_cache_sizes_are_reported_and_training_stays_exact(tmp_path: Path) -> None:
     done, summary = run(
         tmp_path,

@@ -57,8 +57,10 @@ def deduplicate(features: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJagged
     one bag per key, kept in the order of their first sample; the other keys
     keep one bag per sample. ``inverse_indices`` give every key's bag of each
     sample, so expanding the pooled output restores the plain batch exactly.
-    A batch where no two samples share is returned as it is (the variable-batch
-    form would only cost).
+    A batch where no two samples share takes that form too: under DMP each rank
+    deduplicates its own part, and every rank must send the same kind of batch
+    (one rank's plain batch beside another's deduplicated one breaks TorchRec's
+    input dist, a collective).
     """
     names = features.keys()
     unknown = [k for k in keys if k not in names]
@@ -74,8 +76,6 @@ def deduplicate(features: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJagged
     starts = np.concatenate([[0], np.cumsum(lengths.reshape(-1))])[:-1].reshape(lengths.shape)
     group = [names.index(k) for k in keys]
     first, inverse = _shared_bags(values, lengths[group], starts[group])
-    if len(first) == batch:  # no sample shares: the plain batch, without variable-batch costs
-        return features
     # Keep every bag of the other keys and each shared bag's first sample (``first`` is in
     # sample order), key by key as the values lie.
     kept = np.ones(lengths.shape, dtype=bool)
