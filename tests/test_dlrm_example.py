@@ -506,3 +506,40 @@ def test_the_learning_rate_schedule_warms_up_holds_and_decays() -> None:
         schedule.set(step)
         rates.append(optimizer.param_groups[0]["lr"])
     assert rates == pytest.approx([0.05, 0.1, 0.15, 0.2, 0.2, 0.2, 0.2, 0.05, FLOOR, FLOOR])
+
+
+def test_ctrl_c_ends_with_one_line_naming_the_checkpoint_to_resume(tmp_path: Path) -> None:
+    """A SIGINT mid-run (Ctrl-C) printed a KeyboardInterrupt traceback from every rank; it
+    ends with one line and the shell's status for SIGINT, the latest checkpoint intact."""
+    import os
+    import signal
+    import time
+
+    save = tmp_path / "ckpt"
+    flags = [*TINY, "--epochs", "50", "--save_dir", str(save), "--checkpoint_every", "2"]
+    cache = ["--data_cache", str(tmp_path.parent / "data-cache"), "--out", str(tmp_path / "o")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(
+        [sys.executable, MAIN, *cache, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as job:
+        deadline = time.monotonic() + 240
+        while not (save / "latest").exists() and job.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGINT)
+        _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    line = next(line for line in stderr.splitlines() if line.startswith("interrupted"))
+    assert "the latest checkpoint is" in line and line.endswith("continue with --resume")
+    saved = int(line.split("step_")[1].split(":")[0])  # the checkpoint intact: it resumes
+    limit = str(saved + 2)
+    resumed, summary = run(
+        tmp_path, *TINY, "--save_dir", str(save), "--resume", "--limit_train_batches", limit
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert summary is not None and len(summary["runs"][0]["step_s"]) == 2

@@ -144,7 +144,7 @@ def train(
     bar = tqdm(desc=f"train {name}", total=total, unit="step", disable=rank != 0)
     dmp.train()
     losses = []  # kept on the device, read once at the end: no sync per step
-    with CollectiveBytes() as sent:
+    with CollectiveBytes() as sent, bar:
         for step in range(total + 1):  # the last call finds the data's end
             torch.manual_seed(dropout_seed(args.seed, rank, step))
             start = time.perf_counter()
@@ -158,14 +158,13 @@ def train(
             run.seconds += elapsed
             run.samples += args.train_batch_size * world_size
             if step % 20 == 0:  # the cache counters are summed over tables: not every step
-                postfix = {"samples/s": f"{args.train_batch_size * world_size / elapsed:,.0f}"}
+                postfix = {"samples/s": f"{run.samples / run.seconds:,.0f}"}  # so far
                 if isinstance(pipeline, LookaheadTrainPipeline):
                     cache = pipeline.cache_metrics()["total"]
                     if cache.unique_ids:  # (rank 0's shards; it may own none)
                         postfix["hit rate"] = f"{cache.hit_rate:.3f}"
                 bar.set_postfix(postfix)
             bar.update()
-    bar.close()
     run.loss = torch.stack(losses).tolist() if losses else []
     run.bytes_per_step = shared.mean_over_ranks(sent.bytes, max(len(run.step_s), 1), device)
     if isinstance(pipeline, LookaheadTrainPipeline):
@@ -294,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ValueError) as error:  # bad data or settings: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line for the job, not a traceback per rank
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted", file=sys.stderr)
+        return 130  # what a shell reports for a process ended by SIGINT
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torchmetrics
-from checkpoint import Checkpointer
+from checkpoint import Checkpointer, latest
 from compare import mean_over_ranks, replica_metrics, weights_digest, weights_gap
 from data import SyntheticSpec, reader, real_days, synthetic_days
 from faults import attempt_store, fail_here
@@ -171,7 +171,7 @@ def train(
     step = start_step
     dmp.train()
     losses = []  # kept on the device, read once at the end: no sync per step
-    with CollectiveBytes() as sent:  # every thread's collectives, the stage's too
+    with CollectiveBytes() as sent, bar:  # every thread's collectives, the stage's too
         while True:
             if schedule.active:
                 schedule.set(step)
@@ -191,7 +191,7 @@ def train(
             run.samples += args.batch_size * world_size
             if step % 20 == 1:  # the cache counters are summed over tables: not every step
                 run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
-                postfix = {"samples/s": f"{args.batch_size * world_size / elapsed:,.0f}"}
+                postfix = {"samples/s": f"{run.samples / run.seconds:,.0f}"}  # so far
                 if lookahead:
                     postfix["hit rate"] = f"{pipeline.cache_metrics()['total'].hit_rate:.3f}"
                 bar.set_postfix(postfix)
@@ -202,7 +202,6 @@ def train(
                     step,
                     partial(checkpoint_state, dmp, optimizer, step, train_reader.state_dict(step)),
                 )
-    bar.close()
     run.loss = torch.stack(losses).tolist() if losses else []
     run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
     run.bytes_per_step = mean_over_ranks(sent.bytes, max(step - start_step, 1), device)
@@ -385,6 +384,23 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ValueError) as error:  # bad data or settings: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: a save in flight was published (run's finally)
+        if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+            print(interrupted(args.save_dir), file=sys.stderr)
+        return 130  # what a shell reports for a process ended by SIGINT
+
+
+def interrupted(save_dir: str | None) -> str:
+    """What a Ctrl-C leaves: the checkpoint to resume from, if any."""
+    if not save_dir:
+        return "interrupted (nothing saved: --save_dir and --checkpoint_every keep progress)"
+    try:
+        saved = latest(save_dir)
+    except ValueError as error:
+        return f"interrupted; {error}"
+    if saved is None:
+        return f"interrupted before the first checkpoint in {save_dir}"
+    return f"interrupted; the latest checkpoint is {saved}: continue with --resume"
 
 
 if __name__ == "__main__":
