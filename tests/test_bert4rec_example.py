@@ -39,7 +39,11 @@ TINY = [
 
 def example_module(name: str) -> ModuleType:
     """``examples/bert4rec/<name>.py`` loaded by path as ``bert4rec_<name>`` (the DLRM
-    example's tests import its modules by their plain names: ``flags``, ``data``)."""
+    example's tests import its modules by their plain names: ``flags``, ``data``). Its
+    ``import shared`` finds this example's, as when the example runs (the DLRM example
+    has none)."""
+    if name != "shared" and "shared" not in sys.modules:
+        sys.modules["shared"] = example_module("shared")
     spec = importlib.util.spec_from_file_location(f"bert4rec_{name}", MAIN.parent / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -271,6 +275,7 @@ def test_trains_on_a_movielens_ratings_file(tmp_path: Path) -> None:
         ([], ["--max_len", "1"], 2, "--max_len must be at least 2"),
         ([], ["--emb_dim", "18", "--nhead", "2"], 2, "--emb_dim must be a multiple of 4"),
         ([], ["--mask_prob", "1"], 2, "--mask_prob must be in (0, 1)"),
+        ([], ["--out", "/proc/out"], 2, "--out /proc/out: cannot be created in /proc"),
     ],
 )
 def test_bad_input_gets_one_clear_message(
@@ -287,7 +292,7 @@ def test_bad_input_gets_one_clear_message(
     argv = ["--dataset_path", str(folder), *flags]
     if code == 2:
         with pytest.raises(SystemExit) as exited:
-            example_module("flags").parse_args([*argv, "--out", str(tmp_path / "out")])
+            example_module("flags").parse_args(["--out", str(tmp_path / "out"), *argv])
         returncode, stderr = exited.value.code, capsys.readouterr().err
     else:
         returncode, _, stderr, _ = run(tmp_path, *argv)

@@ -6,6 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
+import shared
+
 __all__ = ["parse_args"]
 
 
@@ -112,7 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--dataset_path {args.dataset_path}: holds no ratings.dat (MovieLens' "
                 "UserID::MovieID::Rating::Timestamp lines)"
             )
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        p.error(f"--out {args.out}: is a file, not a folder")
+    if problem := shared.folder_problem(args.out, must_exist=False):
+        p.error(f"--out {args.out}: {problem}")
     return args

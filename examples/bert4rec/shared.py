@@ -3,8 +3,9 @@
 Its notices filter (the library notices it hides, installed first: some come while
 TorchRec is imported), the comparison of two runs (``weights_gap``,
 ``weights_digest``, ``mean_over_ranks``), the verdict on the final weights
-(``agreement``), the training plot (``plot``) and the writing of both outputs
-(``write_outputs``), so both examples compare and draw
+(``agreement``), the training plot (``plot``), the writing of both outputs
+(``write_outputs``) and the check of an output folder (``folder_problem``), so both
+examples compare and draw
 their runs alike. They are loaded from that folder by path, under names of their own
 (``dlrm_notices``, ...), so this folder's modules keep their plain names (``data``,
 ``model``, ``report``) as the DLRM example's keep theirs.
@@ -19,6 +20,7 @@ from types import ModuleType
 
 __all__ = [
     "agreement",
+    "folder_problem",
     "mean_over_ranks",
     "plot",
     "weights_digest",
@@ -44,6 +46,7 @@ def _load(name: str) -> ModuleType:
 
 _load("notices")  # before TorchRec is imported
 _compare, _report = _load("compare"), _load("report")
+folder_problem = _load("folders").folder_problem
 weights_gap = _compare.weights_gap
 weights_digest = _compare.weights_digest
 mean_over_ranks = _compare.mean_over_ranks

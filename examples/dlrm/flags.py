@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from checkpoint import latest
 from faults import first_attempt
+from folders import folder_problem
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES, SyntheticCriteo
@@ -278,8 +279,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_workers = loader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     elif args.num_workers < 0:
         p.error(f"--num_workers must be 0 or more, got {args.num_workers}")
-    for name in ("scale", "zipf", "learning_rate", "cache_budget_mb", "link_gbps"):
+    for name in ("scale", "zipf", "learning_rate", "cache_budget_mb", "link_gbps", "hot_budget_mb"):
         positive_number(name)
+    if args.torchrec_plan and not (args.baseline or args.baseline_only):
+        p.error(
+            "--torchrec_plan plans the plain TorchRec model: give --baseline or --baseline_only"
+        )
     positive_number("step_compute_ms", allow_zero=True)
     if args.embedding_dim % 4:
         p.error(
@@ -424,22 +429,6 @@ def table_sizes(value: str) -> list[int]:
     if len(sizes) != len(DEFAULT_CAT_NAMES) or not all(s.isdigit() and int(s) > 0 for s in sizes):
         raise DataError("needs 26 positive comma-separated integers (or a file holding them)")
     return [int(s) for s in sizes]
-
-
-def folder_problem(path: str | None, must_exist: bool) -> str | None:
-    """What is wrong with ``path`` as a folder to read (``must_exist``) or to create, if
-    anything: a file where a folder is expected, here or above."""
-    if path is None:
-        return None
-    folder = Path(path)
-    if folder.exists():
-        return None if folder.is_dir() else "is a file, not a folder"
-    if must_exist:
-        return "no such folder"
-    above = next((p for p in folder.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
-        return f"cannot be created: {above} is a file"
-    return None
 
 
 MODEL_FILE = "model.json"  # in every checkpoint folder: the flags that shaped its model
