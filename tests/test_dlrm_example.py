@@ -342,6 +342,9 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     assert "resumed from" in second.stdout and "step 13" in second.stdout
     assert resumed["weights_digest"] == whole_summary["weights_digest"]
     assert len(resumed["runs"][0]["data_wait_s"]) == 11  # the 11 steps left, trained
+    # Said as steps 14-24, not as "11 of the 24 steps asked" (which means the data ended).
+    assert "steps 14-24 (resumed at step 13)" in second.stdout and " asked" not in second.stdout
+    assert resumed["first_step"] == 13 and resumed["steps_run"] == 11
     other_order, _ = run(
         tmp_path / "other",
         *TINY,
@@ -547,3 +550,14 @@ def test_ctrl_c_ends_with_one_line_naming_the_checkpoint_to_resume(tmp_path: Pat
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert summary is not None and len(summary["runs"][0]["step_s"]) == 2
+
+
+def test_the_steps_trained_are_said_as_trained() -> None:
+    from report import trained_steps
+
+    assert trained_steps(0, 20, None) == "20 steps"
+    assert trained_steps(0, 20, 20) == "20 steps"
+    assert trained_steps(0, 12, 20) == "12 of the 20 steps asked"  # the data ended
+    assert trained_steps(10, 10, 20) == "steps 11-20 (resumed at step 10)"
+    assert trained_steps(10, 5, 20) == "steps 11-15 (resumed at step 10), of the 20 asked"
+    assert trained_steps(20, 0, 20) == "no steps (resumed at step 20)"

@@ -19,6 +19,7 @@ class Run:
     """What one training run measured."""
 
     name: str
+    first_step: int = 0  # (no resume here; the shared plot numbers steps from it)
     steps_asked: int | None = None  # --limit_train_batches (None: every epoch's steps)
     step_s: list[float] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)  # per step, rank 0's batch

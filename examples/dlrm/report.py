@@ -124,9 +124,9 @@ def report(
         if args.plan_cache_sizes
         else f"{args.cache_load_factor:.0%} per table, raised to what the window touches"
     )
-    ran = len(runs[0].step_s)
+    ran, first = len(runs[0].step_s), runs[0].first_step
     asked = runs[0].steps_asked
-    steps = f"{ran} steps" if asked in (None, ran) else f"{ran} of the {asked} steps asked"
+    steps = trained_steps(first, ran, asked)
     settings = (
         f"DLRM ({args.interaction_type}), world size {world_size}, batch {args.batch_size} "
         f"per rank, {steps}, lookahead {args.lookahead}"
@@ -155,11 +155,23 @@ def report(
         "weights_digest": digest,
         "world_size": world_size,
         "steps_run": ran,
+        "first_step": first,
         "steps_asked": asked,
         "cache_rows": cache_rows,
         "rows": rows,
     }
     write_outputs(out, summary, runs, settings, gap)
+
+
+def trained_steps(first: int, ran: int, asked: int | None) -> str:
+    """The steps a run trained, ``first`` (a resumed run's checkpoint step) on, and whether
+    the data ended before the ``asked`` limit."""
+    if first and not ran:
+        return f"no steps (resumed at step {first})"
+    steps = f"steps {first + 1}-{first + ran} (resumed at step {first})" if first else ""
+    if asked is None or first + ran >= asked:
+        return steps or f"{ran} steps"
+    return f"{steps}, of the {asked} asked" if first else f"{ran} of the {asked} steps asked"
 
 
 TOLERANCE = 1e-5  # where summation orders differ (hot rows' bags mixing hot and cold ids)
@@ -204,11 +216,13 @@ def plot(runs: list[Run], path: Path, settings: str, verdict: str | None) -> Non
         title += f"\nfinal weights against plain TorchRec: {verdict}"
     fig.suptitle(title, fontsize=9)
     look = runs[0]
-    first = len(look.step_s) - len(look.hit_rate) + 1  # a resumed run plans only its own steps
+    # Steps are numbered as trained: a resumed run's from its checkpoint step on. The hit
+    # rate begins with the first step the cache planned.
+    first = look.first_step + len(look.step_s) - len(look.hit_rate) + 1
     dot = {"marker": "o", "markersize": 3}  # a series of one step draws no line: a dot
     for r, style in zip(runs, ("-", "--")):  # the runs overlap where they agree: dash one
         losses.plot(
-            range(1, len(r.loss) + 1),
+            range(r.first_step + 1, r.first_step + len(r.loss) + 1),
             r.loss,
             label=r.name,
             color=RUN_COLOURS.get(r.name),
@@ -231,7 +245,7 @@ def plot(runs: list[Run], path: Path, settings: str, verdict: str | None) -> Non
     top.grid(alpha=0.3)
     for r in runs:
         bottom.plot(
-            range(1, len(r.step_s) + 1),
+            range(r.first_step + 1, r.first_step + len(r.step_s) + 1),
             [1000 * s for s in r.step_s],
             label=r.name,
             color=RUN_COLOURS.get(r.name),
@@ -245,7 +259,7 @@ def plot(runs: list[Run], path: Path, settings: str, verdict: str | None) -> Non
             f"{r.name} {1000 * r.step_s[0]:,.0f} ms" for r in runs if 1000 * r.step_s[0] > ceiling
         ]
         later = sum(1000 * s > ceiling for r in runs for s in r.step_s[1:])
-        clipped = [f"step 1 ({', '.join(firsts)}; window fill, warm-up)"] if firsts else []
+        clipped = [f"the first step ({', '.join(firsts)}; window fill, warm-up)"] if firsts else []
         if later:
             clipped.append(f"{later} later step{'s' if later > 1 else ''}")
         bottom.set_title(
