@@ -241,6 +241,20 @@ def checkpoint_state(dmp, optimizer, step: int, data: dict | None = None) -> dic
     }
 
 
+STAGES = ("train", "val", "test")
+
+
+def readable(args, days: list[DayFiles], stage: str, rank: int, world_size: int) -> None:
+    """Raise ``DataError`` naming the stage and its flag if ``stage``'s split holds no
+    global batch (the validation split failed only when evaluated, after training)."""
+    try:
+        reader(args, days, stage, rank, world_size)
+    except DataError as error:
+        flag = "--batch_size" if stage == "train" else "--test_batch_size (else --batch_size)"
+        ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+        raise DataError(f"the {stage} split: {error}, which is {flag} x {ranks}") from None
+
+
 def evaluate(args, dmp, days, stage: str, rank, world_size, device) -> float:
     """AUROC over ``stage`` (val or test); the lookahead model reads its current weights."""
     limit = args.limit_val_batches if stage == "val" else args.limit_test_batches
@@ -263,6 +277,8 @@ def run(args: argparse.Namespace) -> int:
     if args.fail_at_step is not None and args.fail_rank >= world_size:
         raise ValueError(f"--fail_rank {args.fail_rank} is not a rank of world size {world_size}")
     days = dataset(args, rank)
+    for stage in STAGES:  # each stage's batches fit its split, found before training
+        readable(args, days, stage, rank, world_size)
     planner = None
     if args.plan_cache_sizes:
         planner, proposal = cache_planner(args, days, world_size, device)
@@ -349,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
                 start_step if lookahead else 0,
                 checkpointer if lookahead else None,
             )
-            for stage in ("val", "test"):
+            for stage in STAGES[1:]:
                 result.auroc[stage] = evaluate(args, dmp, days, stage, rank, world_size, device)
             runs.append(result)
     finally:
