@@ -4,6 +4,7 @@ loadable; and what a rename publishes is on disk before it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -12,7 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from checkpoint import Checkpointer, latest
+from checkpoint import Checkpointer, CheckpointError, latest
+
+
+@contextlib.contextmanager
+def _file_size_limit(nbytes: int):
+    """Writes past ``nbytes`` fail (EFBIG, as ENOSPC on a full disk does)."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, limit[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
 
 
 @pytest.fixture
@@ -25,17 +39,15 @@ def one_rank(tmp_path: Path):
 def test_a_failed_write_leaves_the_last_checkpoint_published(tmp_path: Path, one_rank) -> None:
     root = tmp_path / "ckpt"
     saver = Checkpointer(str(root))
+    # Before any checkpoint: the error says none stands, and names the first rank's cause.
+    with pytest.raises(CheckpointError, match=r"no checkpoint was published before it\. Cause"):
+        with _file_size_limit(1 << 16):
+            saver.save(1, lambda: {"w": torch.ones(1 << 18), "step": 1})
     saver.save(1, lambda: {"w": torch.ones(1 << 18), "step": 1})
     # The kernel refuses writes past 64 KiB (EFBIG, as ENOSPC on a full disk) mid-save.
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, limit[1]))
-    try:
-        with pytest.raises(RuntimeError, match=r"writing checkpoint step 2 into .*step_00000002"):
+    with pytest.raises(CheckpointError, match=r"writing checkpoint step 2 into .*step_00000002"):
+        with _file_size_limit(1 << 16):
             saver.save(2, lambda: {"w": torch.full((1 << 18,), 2.0), "step": 2})
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-        signal.signal(signal.SIGXFSZ, handler)
     assert latest(str(root)) == str(root / "step_00000001")
     state = {"w": torch.zeros(1 << 18), "step": 0}
     assert Checkpointer(str(root)).load(state) == str(root / "step_00000001")

@@ -75,6 +75,24 @@ def prune(root: str, keep: int) -> list[str]:
     return removed
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the one published before it (if any) stands."""
+
+
+def _first_cause(error: BaseException) -> str:
+    """One line for what failed: DCP's ``CheckpointException`` holds every rank's error
+    with its traceback; the first rank's error, without it."""
+    failures = error.failures if isinstance(error, dcp.CheckpointException) else {}
+    if failures:
+        rank, (cause, _) = next(iter(sorted(failures.items(), key=lambda item: item[0])))
+        error = cause
+        where = f"rank {rank}: "
+    else:
+        where = ""
+    text = str(error).strip().splitlines()
+    return f"{where}{type(error).__name__}: {text[0] if text else ''}"
+
+
 def _write_synced(path: str, text: str) -> None:
     """Write ``text`` into the file ``path`` and sync it to disk."""
     with open(path, "w") as f:
@@ -251,10 +269,15 @@ class Checkpointer:
             )
         except (Exception, dcp.CheckpointException) as error:  # DCP wraps every rank's error
             free_gb = shutil.disk_usage(self.root).free / 1e9
-            raise RuntimeError(
+            published = latest(self.root)
+            kept = (
+                f"{os.path.join(self.root, 'latest')} still names {published}"
+                if published
+                else "no checkpoint was published before it"
+            )
+            raise CheckpointError(
                 f"writing checkpoint step {step} into {partial} failed ({free_gb:.1f} GB free "
-                f"there); {os.path.join(self.root, 'latest')} still names the last complete "
-                f"checkpoint. Cause: {error}"
+                f"there); {kept}. Cause: {_first_cause(error)}"
             ) from error
         dist.barrier(group=group)
         if rank0:

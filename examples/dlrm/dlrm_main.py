@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torchmetrics
-from checkpoint import Checkpointer, latest
+from checkpoint import Checkpointer, CheckpointError, latest
 from compare import mean_over_ranks, replica_metrics, weights_digest, weights_gap
 from data import SyntheticSpec, reader, real_days, synthetic_days
 from faults import attempt_store, fail_here
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (DataError, ValueError) as error:  # bad data or settings: one line, no traceback
+    except (DataError, ValueError, CheckpointError) as error:  # one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: a save in flight was published (run's finally)
