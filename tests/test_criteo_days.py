@@ -211,9 +211,24 @@ def test_a_loader_started_mid_pass_with_workers_gives_the_rest_exactly(tmp_path:
         for a, b in zip(whole[17:40], rest):
             assert_same_batch(a, b)
     assert reader.resume_step(reader.state_dict(17)) == 17
-    other = CriteoDayReader(days, SampleOrder(*stage_samples(days, "train"), 64, seed=2), 1, 2)
-    with pytest.raises(DataError, match="order differ"):
+    other = CriteoDayReader(days, SampleOrder(*stage_samples(days, "train"), 32, seed=2), 1, 2)
+    with pytest.raises(DataError, match=r"global batch \(samples per rank x ranks\) was 64, is 32"):
         other.resume_step(reader.state_dict(17))
+    with pytest.raises(DataError, match=r"the shuffle seed \(None: not shuffled\) was 1, is 2"):
+        other.resume_step(reader.state_dict(17))
+
+
+def test_a_resume_onto_other_data_of_as_many_samples_is_refused(tmp_path: Path) -> None:
+    """Another seed's days (as many samples, other contents) were taken silently."""
+    days = find_days(write_days(tmp_path / "a"))
+    other_days = find_days(write_days(tmp_path / "b", seed=7))
+    assert [d.rows for d in days] == [d.rows for d in other_days]
+    order = SampleOrder(*stage_samples(days, "train"), 64)
+    state = CriteoDayReader(days, order, 0, 1).state_dict(5)
+    with pytest.raises(DataError, match="the days hold other data"):
+        CriteoDayReader(other_days, order, 0, 1).resume_step(state)
+    older = {k: v for k, v in state.items() if k != "data"}  # saved before "data" was
+    assert CriteoDayReader(days, order, 0, 1).resume_step(older) == 5
 
 
 def test_deduplication_in_the_reader_equals_deduplicating_its_batches(tmp_path: Path) -> None:

@@ -357,6 +357,7 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     )
     assert other_order.returncode == 1
     assert "error: the checkpoint's data position does not fit this run" in other_order.stderr
+    assert "the shuffle chunk (samples) was " in other_order.stderr
 
 
 def bad_npy_folder(tmp: Path) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -310,20 +311,31 @@ class CriteoDayReader(Dataset):
         )
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        """The position after ``step`` trained steps, for a checkpoint."""
-        return {"order": self.order.key(), "rows": [d.rows for d in self.days], "step": step}
+        """The position after ``step`` trained steps, for a checkpoint: the order, the days'
+        samples, what the days hold (:func:`days_fingerprint`) and the step."""
+        return {
+            "order": self.order.key(),
+            "rows": [d.rows for d in self.days],
+            "data": self._fingerprint,
+            "step": step,
+        }
 
     def resume_step(self, state: dict[str, Any]) -> int:
-        """The step to start at from :meth:`state_dict`'s ``state``; refused if the data or
-        the order differ (the same steps would hold other samples)."""
-        mine = self.state_dict(state["step"])
-        if state != mine:
-            changed = [k for k in ("order", "rows") if state[k] != mine[k]]
+        """The step to start at from :meth:`state_dict`'s ``state``; ``DataError`` naming
+        what differs if the order or the data do (the same steps would hold other
+        samples). A state saved before it recorded the data's contents is checked without
+        them."""
+        changes = _position_changes(state, self.state_dict(state["step"]))
+        if changes:
             raise DataError(
-                f"the checkpoint's data position does not fit this run: its "
-                f"{' and '.join(changed)} differ ({state} vs {mine})"
+                "the checkpoint's data position does not fit this run (its steps would hold "
+                f"other samples): {'; '.join(changes)}"
             )
         return int(state["step"])
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:
+        return days_fingerprint(self.days)
 
     # ------------------------------------------------------------ reading
 
@@ -379,3 +391,41 @@ class CriteoDayReader(Dataset):
                     break
                 for mapped in self._files()[d]:
                     advice(mapped, max(first - start, 0), min(last, int(self._ends[d])) - start)
+
+
+# The order's fields, as a resumed run's refusal names them.
+_ORDER_FIELDS = {
+    "global_batch": "the global batch (samples per rank x ranks)",
+    "seed": "the shuffle seed (None: not shuffled)",
+    "chunk_samples": "the shuffle chunk (samples)",
+    "first": "the pass's first sample",
+    "samples": "the pass's samples",
+}
+
+
+def _position_changes(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's data position and this run's, in words."""
+    changes = []
+    saved, mine = json.loads(then["order"]), json.loads(now["order"])
+    for key in sorted(set(saved) | set(mine)):
+        if saved.get(key) != mine.get(key):
+            what = _ORDER_FIELDS.get(key, key)
+            changes.append(f"{what} was {saved.get(key)}, is {mine.get(key)}")
+    if then["rows"] != now["rows"]:
+        changes.append(f"the days' samples were {then['rows']}, are {now['rows']}")
+    elif "data" in then and then["data"] != now["data"]:
+        changes.append("the days hold other data (as many samples, other contents)")
+    return changes
+
+
+def days_fingerprint(days: Sequence[DayFiles], head: int = 1 << 16) -> str:
+    """A digest of the days' files: each one's size and first ``head`` bytes. Other data
+    of as many samples (another seed's synthetic days, another preprocessing) differs
+    there; reading it costs ``3 * head`` bytes a day."""
+    digest = hashlib.sha256()
+    for day in days:
+        for path in day.paths():
+            with open(path, "rb") as file:
+                digest.update(file.read(head))
+            digest.update(str(path.stat().st_size).encode())
+    return digest.hexdigest()[:16]
