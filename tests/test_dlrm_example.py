@@ -399,6 +399,7 @@ def day_set_folder(folder: Path, kind: str) -> str:
         (["--save_dir", "DANGLING"], 2, "which is missing"),
         (["--scale", "0"], 2, "--scale must be a positive number"),
         (["--hot_budget_mb", "-1"], 2, "--hot_budget_mb must be a positive number"),
+        (["--scale", "100"], 1, "TorchRec's planner found no plan for the lookahead model"),
         (["--test_batch_size", "100000"], 1, "the val split: 2,048 samples make no global"),
         (["--torchrec_plan"], 2, "--torchrec_plan plans the plain TorchRec model"),
         (["--scale", "nan"], 2, "--scale must be a positive number"),

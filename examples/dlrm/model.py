@@ -12,6 +12,7 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.types import PlannerError
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -195,7 +196,15 @@ def build(
         batch_size=args.batch_size,
         constraints=None if free else same_plan,
     )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    try:
+        plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    except PlannerError as error:  # one line: what TorchRec's planner could not fit
+        why = str(error).strip().splitlines()[0].rstrip(". ")
+        raise ValueError(
+            f"TorchRec's planner found no plan for the {'lookahead' if lookahead else 'plain'} "
+            f"model ({why}): smaller tables (--scale), more ranks, or, for the lookahead "
+            "model, its tables on disk (--store_dir)"
+        ) from None
     if args.print_sharding_plan and dist.get_rank() == 0:
         print(plan)
     dmp = DistributedModelParallel(model, device=device, plan=plan, sharders=sharders)
