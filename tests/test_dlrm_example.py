@@ -344,6 +344,7 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     assert len(resumed["runs"][0]["data_wait_s"]) == 11  # the 11 steps left, trained
     # Said as steps 14-24, not as "11 of the 24 steps asked" (which means the data ended).
     assert "steps 14-24 (resumed at step 13)" in second.stdout and " asked" not in second.stdout
+    assert "Warning" not in second.stderr, second.stderr[-3000:]  # DCP's notices hidden
     assert resumed["first_step"] == 13 and resumed["steps_run"] == 11
     other_order, _ = run(
         tmp_path / "other",

@@ -53,6 +53,13 @@ def quiet_library_notices() -> None:
         FutureWarning,
         r"torchrec\.distributed\.model_parallel",
     )
+    # DCP reads TorchRec's sharded tables (ShardedTensor, as TorchRec's state_dict gives
+    # them) when a checkpoint loads; torch deprecates the type, which TorchRec still uses.
+    hide(
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        FutureWarning,
+        r"torch\.distributed\.checkpoint\.",
+    )
     logged = {
         # The same dry-run notice as HeuristicalStorageReservation's above, once per plan.
         "torchrec.distributed.planner.storage_reservations": (
