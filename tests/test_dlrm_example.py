@@ -12,6 +12,7 @@ import pytest
 
 from tests.launch import run_example
 from torchrec_lookahead.data import CRITEO_KAGGLE_TABLE_SIZES
+from torchrec_lookahead.data.days import find_days
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = str(ROOT / "examples" / "dlrm" / "dlrm_main.py")
@@ -565,3 +566,30 @@ def test_the_steps_trained_are_said_as_trained() -> None:
     assert trained_steps(10, 10, 20) == "steps 11-20 (resumed at step 10)"
     assert trained_steps(10, 5, 20) == "steps 11-15 (resumed at step 10), of the 20 asked"
     assert trained_steps(20, 0, 20) == "no steps (resumed at step 20)"
+
+
+def test_synthetic_data_stopped_mid_write_leaves_no_staging_folder(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A Ctrl-C while the days were written left a hidden staging folder of the data set's
+    size behind, which no later run removed."""
+    import data as example_data
+
+    spec = example_data.SyntheticSpec(0.001, 1.1, 2, 512, 0)
+    saves = []
+    real_save = np.save
+
+    def save_then_stop(path, array) -> None:
+        real_save(path, array)
+        saves.append(path)
+        if len(saves) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(example_data.np, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        example_data.synthetic_days(spec, tmp_path)
+    assert saves and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(example_data.np, "save", real_save)
+    folder = example_data.synthetic_days(spec, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert len(find_days(str(folder))) == 2

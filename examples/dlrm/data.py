@@ -65,11 +65,24 @@ def synthetic_days(spec: SyntheticSpec, root: Path) -> Path:
     folder = spec.folder(root)
     if (folder / "spec.json").exists():
         return folder
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=".partial-"))
+    try:
+        _write_days(spec, staging)
+        try:
+            os.replace(staging, folder)
+        except OSError:  # another process won the race: its folder holds the same data
+            pass
+    finally:  # also when stopped (Ctrl-C): no staging folder of a data set's size is left
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _write_days(spec: SyntheticSpec, staging: Path) -> None:
+    """The synthetic days of ``spec`` and its ``spec.json``, written into ``staging``."""
     source = SyntheticCriteo(scale=spec.scale, zipf_exponent=spec.zipf_exponent, seed=spec.seed)
     effects = np.random.default_rng([spec.seed, 7]).uniform(-1.0, 1.0, CAT_FEATURE_COUNT)
     dense_weights = np.linspace(-0.8, 0.8, INT_FEATURE_COUNT)
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=".partial-"))
     for day in range(spec.days):
         rng = np.random.default_rng([spec.seed, day, 11])
         sparse = np.stack(
@@ -89,11 +102,6 @@ def synthetic_days(spec: SyntheticSpec, root: Path) -> Path:
         np.save(staging / f"day_{day}_sparse.npy", sparse.astype(np.int64))
         np.save(staging / f"day_{day}_labels.npy", labels.reshape(-1, 1))
     (staging / "spec.json").write_text(json.dumps(asdict(spec)))
-    try:
-        os.replace(staging, folder)  # another process may have won the race: fine
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
 
 
 def real_days(path: str) -> Path:
