@@ -673,3 +673,31 @@ def test_lines_off_the_canonical_form_convert_as_torchrec_converts_them(tmp_path
     for kind, theirs in zip(("dense", "sparse", "labels"), reference):
         a, b = np.load(tmp_path / "ours" / f"day_0_{kind}.npy"), np.load(theirs)
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), kind
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--input_dir", "FILE", "--output_dir", "OUT"],
+            "--input_dir FILE: is a file, not a folder",
+        ),
+        (["--input_dir", "RAW", "--output_dir", "FILE/x"], "cannot be created: FILE is a file"),
+    ],
+)
+def test_preprocess_command_names_a_bad_folder_flag(tmp_path: Path, flags, message) -> None:
+    """A file given for a folder said "no such folder", or failed with the OS's error."""
+    (tmp_path / "file").write_text("")
+    raw_day(tmp_path / "raw", "day_0")
+    names = {
+        "FILE": str(tmp_path / "file"),
+        "RAW": str(tmp_path / "raw"),
+        "OUT": str(tmp_path / "out"),
+    }
+    argv = [names.get(f.split("/")[0], f.split("/")[0]) + f[len(f.split("/")[0]) :] for f in flags]
+    done = subprocess.run(
+        [sys.executable, str(PREPROCESS), *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message.replace("FILE", names["FILE"]) in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()

@@ -28,6 +28,8 @@ import os
 import sys
 import time
 
+from folders import folder_problem
+
 from torchrec_lookahead.data.contiguous import CARDINALITY_FILE, preprocess_days
 from torchrec_lookahead.data.npy import DataError
 
@@ -60,6 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--workers must be at least 1, got {args.workers}")
     if not args.block_mb > 0:
         p.error(f"--block_mb must be a positive number, got {args.block_mb}")
+    for name, must_exist in (("input_dir", True), ("output_dir", False)):
+        if problem := folder_problem(getattr(args, name), must_exist):
+            p.error(f"--{name} {getattr(args, name)}: {problem}")
     return args
 
 
