@@ -321,13 +321,16 @@ def test_planner_report_times_statistics_and_checks_accuracy(tmp_path: Path) -> 
     )
     report = json.loads((tmp_path / "report.json").read_text())
     rows = SyntheticCriteo(scale=0.001).num_embeddings
+    sample = SyntheticCriteo(scale=0.001, seed=1).table_streams(256, 10)
     full = SyntheticCriteo(scale=0.001, seed=2).table_streams(256, 20)
     assert report["rows"] == sum(rows) and "predicted" in out
     assert [a["load_factor"] for a in report["accuracy"]] == [0.01, 0.05, 0.2]
     for a in report["accuracy"]:  # measured: the oracle's misses over the second half
         misses = distinct = 0
-        for stream, n in zip(full, rows):
-            capacity = min(n, max(math.ceil(a["load_factor"] * n), widest_window(stream, 1)))
+        for sampled, stream, n in zip(sample, full, rows):
+            # At the cache the module holds (its statistics' floor), or what the window needs.
+            module = LookaheadCacheStatistics(sampled, n, 4, 1).capacity(a["load_factor"])
+            capacity = min(n, max(module, widest_window(stream, 1)))
             misses += int(oracle_misses(stream, capacity, 4, 1, n)[10:].sum())
             distinct += sum(len(np.unique(b)) for b in stream[10:])
         assert a["measured"] == pytest.approx(misses / distinct)
