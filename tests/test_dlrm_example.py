@@ -16,6 +16,7 @@ from torchrec_lookahead.data.days import find_days
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = str(ROOT / "examples" / "dlrm" / "dlrm_main.py")
+MAIN_DATA = Path("examples") / "dlrm" / "data.py"
 TINY = [
     "--scale",
     "0.001",
@@ -573,8 +574,14 @@ def test_synthetic_data_stopped_mid_write_leaves_no_staging_folder(
 ) -> None:
     """A Ctrl-C while the days were written left a hidden staging folder of the data set's
     size behind, which no later run removed."""
-    import data as example_data
+    import importlib.util
 
+    # By path: another test's "data" (the BERT4Rec example's) may hold the plain name.
+    spec_of = importlib.util.spec_from_file_location("dlrm_example_data", ROOT / MAIN_DATA)
+    assert spec_of is not None and spec_of.loader is not None
+    example_data = importlib.util.module_from_spec(spec_of)
+    sys.modules[spec_of.name] = example_data  # (its dataclasses look their module up)
+    spec_of.loader.exec_module(example_data)
     spec = example_data.SyntheticSpec(0.001, 1.1, 2, 512, 0)
     saves = []
     real_save = np.save
