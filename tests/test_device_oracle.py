@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.functional import pad
 
+import torchrec_lookahead.oracle.device as device_oracle
 from benchmarks.common import pinned_rows_needed
 from tests.contract import replay
 from tests.test_oracle import BAD_ORACLE_SETTINGS, tie_breaks, traces
@@ -70,6 +71,20 @@ def test_matches_the_numba_oracle_on_larger_traces(stream, lookahead, d, tie_bre
         list(
             DeviceOracleCacher(floor - 1, lookahead, d, 400, "cpu").plan(map(torch.tensor, batches))
         )
+
+
+@pytest.mark.parametrize("tie_break", TIE_BREAKS)
+@pytest.mark.parametrize("limit", ["_ROW_LIMIT", "_STEP_LIMIT", "_USES_LIMIT", "_RANK_LIMIT"])
+def test_victims_are_ordered_alike_where_the_sort_keys_do_not_pack(
+    limit, tie_break, monkeypatch
+) -> None:
+    """Past a bound of the packed keys (a table of 2**32 rows, 2**31 steps, 2**40 ids),
+    the victim order is one stable sort per key, and the same."""
+    monkeypatch.setattr(device_oracle, limit, 0)
+    batches = streams()["zipf"]
+    floor = pinned_rows_needed(batches, 1)
+    for capacity in (floor, 2 * floor):
+        assert_same_choices(batches, capacity, 4, 1, 400, tie_break)
 
 
 def test_the_table_grows_to_the_ids_when_num_rows_is_unknown() -> None:

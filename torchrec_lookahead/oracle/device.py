@@ -28,7 +28,10 @@ are pointer chasing, one row at a time; a device wants whole-array passes):
 * Victims by stable sorts over the slots, least significant key first: row id,
   last use, uses so far (frequency tie-break only), then a small exact key
   that puts free slots first, then candidates with no use in the window, then
-  candidates by farthest next use, and non-candidates last. The first
+  candidates by farthest next use, and non-candidates last. The keys are packed
+  in pairs into 64 bits, (last use, row) and (rank, uses), so it takes two
+  sorts where the values fit (tables under 2**32 rows; a sort per key past
+  that). The first
   ``misses`` slots of that order receive the fetched rows: free slots first,
   then the victims', so the victims are a contiguous run of it. Sorting the
   whole cache costs ``O(C log C)`` per step where the heaps cost ``O(log)``
@@ -77,6 +80,13 @@ from torchrec_lookahead.settings import check_count
 __all__ = ["DeviceOracleCacher", "DevicePlan", "DevicePreparedBatch", "trimmed_plan"]
 
 _NEVER = 1 << 62  # next use of a slot whose row has none in the window
+# The victim order's packed sort keys (int64, non-negative): (last use + 1, row + 1) and
+# (rank, uses), with the bounds under which they fit.
+_ROW_BITS, _USES_BITS = 32, 40
+_ROW_LIMIT = (1 << _ROW_BITS) - 1  # table rows
+_STEP_LIMIT = (1 << (63 - _ROW_BITS)) - 1  # steps planned
+_USES_LIMIT = 1 << _USES_BITS  # ids entered (a row's uses are fewer)
+_RANK_LIMIT = 1 << (63 - _USES_BITS)
 _INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _EMPTY = np.empty(0, dtype=np.int64)
 
@@ -234,6 +244,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self._back = torch.arange(1, prefetch_distance + 1, device=self.device)
         self._lengths: deque[int] = deque()  # how many ids each step entered, not planned, has
         self._steps_pushed = 0  # on the host, for the plans' step numbers and the checks
+        self._ids_entered = 0  # on the host: bounds a row's uses (see _victim_order)
         self._next_plan = 0
         self._entering = self._full(1, 0)  # the same two counters, on the device
         self._planning = self._full(1, 0)
@@ -437,6 +448,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         self._overflow |= batch.pinned_rows > self.capacity
         self._bad |= batch.bad
         self._lengths.append(len(batch.ids))
+        self._ids_entered += len(batch.ids)
         self._steps_pushed += 1
         self._entering += 1
         if batch.step - self.lookahead >= self._next_plan:
@@ -487,12 +499,8 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         rank = torch.where(next_use == _NEVER, 1, (s + (span + 2)) - next_use)  # in 1..span+1
         rank = torch.where(candidate, rank, span + 2)
         rank = torch.where(slot_row >= 0, rank, 0)
-        order = torch.sort(slot_row, stable=True).indices
-        keys = [last_use] + (
-            [self._row_uses.gather(0, slot_row + 1)] if self._row_uses is not None else []
-        )
-        for key in [*keys, rank]:  # a fixed two or three more sorts, not per id or slot
-            order = order.gather(0, torch.sort(key.gather(0, order), stable=True).indices)
+        uses = self._row_uses.gather(0, slot_row + 1) if self._row_uses is not None else None
+        order = self._victim_order(rank, uses, last_use, slot_row)
 
         # The first ``num_fetch`` slots of the order take the fetched rows: free ones first,
         # then the victims', a run of ``num_evict`` from ``num_free`` on.
@@ -540,6 +548,33 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
             overflow=self._overflow.clone(),
             bad_ids=self._bad.clone(),
         )
+
+    def _victim_order(
+        self,
+        rank: torch.Tensor,
+        uses: torch.Tensor | None,
+        last_use: torch.Tensor,
+        slot_row: torch.Tensor,
+    ) -> torch.Tensor:
+        """The slots by ``(rank, uses, last use, row)``, ties by slot: two stable sorts of
+        keys packed in 64 bits, ``(last use, row)`` then ``(rank, uses)``, where the values
+        fit (the host knows their bounds: the steps planned, the table's rows, the ids
+        entered); else one stable sort per key, least significant first."""
+        packable = (
+            self._rows < _ROW_LIMIT
+            and self._next_plan < _STEP_LIMIT
+            and self._ids_entered < _USES_LIMIT
+            and self._span + 2 < _RANK_LIMIT
+        )
+        if packable:  # -1 (a free slot's row and last use) packs as 0
+            low = ((last_use + 1) << _ROW_BITS) + (slot_row + 1)
+            high = rank << _USES_BITS if uses is None else (rank << _USES_BITS) + uses
+            order = torch.sort(low, stable=True).indices
+            return order.gather(0, torch.sort(high.gather(0, order), stable=True).indices)
+        order = torch.sort(slot_row, stable=True).indices
+        for key in [last_use, *([] if uses is None else [uses]), rank]:
+            order = order.gather(0, torch.sort(key.gather(0, order), stable=True).indices)
+        return order
 
 
 def _padded(entries: torch.Tensor, width: int, fill: int) -> torch.Tensor:
