@@ -15,6 +15,11 @@ are pointer chasing, one row at a time; a device wants whole-array passes):
   predecessor, number them by a cumulative sum, scatter the distinct ids to
   their numbers. The output is padded (``-1``) to the window's width, so its
   shape does not depend on the data.
+* The rows a window's steps ``step-d..step`` use together (the capacity rule's
+  count) by counting, not sorting: the rows of the ``d`` steps entered last are
+  kept as a number; a batch adds its rows whose latest occurrence is older than
+  them, and when it enters, step ``step-d``'s rows whose latest occurrence it
+  still is leave.
 * The window is a ring of ``max(L, d) + 1`` rows of padded distinct ids (and
   their multiplicities, and the batch's ids themselves), one row per step, at the
   row a device step counter names.
@@ -241,7 +246,7 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         # with no occurrence in a step not yet planned)
         self._ring_next = self._full(1, _NEVER)
         self._positions = self._full(0, 0)  # arange(width)
-        self._back = torch.arange(1, prefetch_distance + 1, device=self.device)
+        self._window_rows = self._full((), 0)  # rows of the d steps entered last, together
         self._lengths: deque[int] = deque()  # how many ids each step entered, not planned, has
         self._steps_pushed = 0  # on the host, for the plans' step numbers and the checks
         self._ids_entered = 0  # on the host: bounds a row's uses (see _victim_order)
@@ -419,10 +424,14 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         number = first.cumsum(0)  # each id's 1 + index among the distinct ids (padding: 0)
         distinct = self._full(1 + width, -1).scatter_(0, number * first, ordered)[1:]
         mult = self._full(1 + width, 0).index_add_(0, number, torch.ones_like(ordered))[1:]
-        rows = (self._entering - self._back) % self._span  # ring rows of steps step-1..step-d
-        together = torch.cat([self._ring_ids.index_select(0, rows).flatten(), distinct])
-        pinned = _firsts(torch.sort(together).values).sum()
-        return DevicePreparedBatch(self, step, ids, distinct, mult, pinned, bad)
+        # Rows of steps step-d..step: those of step-d..step-1, and this step's whose latest
+        # occurrence is older (or none; ids past the rows known have none, and ids out of
+        # the table are refused after this, on the contract path).
+        latest = self._row_latest.gather(0, (distinct + 1).clamp(0, self._rows)) >> 32
+        window = (self._entering - self.prefetch_distance).clamp(min=0)
+        new = (distinct >= 0) & ((latest < window) | (distinct >= self._rows))
+        pinned = self._window_rows + new.sum()
+        return DevicePreparedBatch(self, step, ids, distinct, mult, pinned.view(()), bad)
 
     def _enter(self, batch: DevicePreparedBatch) -> DevicePlan | None:
         """Batch ``step`` joins the ring; returns ``plan(step - L)`` once it is due."""
@@ -445,6 +454,11 @@ class DeviceOracleCacher(CachePlanner[DevicePreparedBatch]):
         ]:
             ring.index_copy_(0, at, _padded(entries, self._width, fill)[None])
         self._chain(distinct, step, at)
+        # The rows of steps step-d+1..step: step-d's leave where it was their latest.
+        d = self.prefetch_distance
+        leaving = self._ring_ids.index_select(0, (step - d) % self._span).view(-1)
+        latest = self._row_latest.gather(0, leaving + 1) >> 32
+        self._window_rows.copy_(batch.pinned_rows - ((leaving >= 0) & (latest == step - d)).sum())
         self._overflow |= batch.pinned_rows > self.capacity
         self._bad |= batch.bad
         self._lengths.append(len(batch.ids))
