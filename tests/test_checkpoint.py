@@ -84,3 +84,21 @@ def test_a_checkpoint_is_on_disk_before_a_rename_publishes_it(
     assert ("sync", ".latest.partial") in events[renames[0] : renames[1]]
     assert events[-1] == ("sync", "ckpt")  # the renames' own entries
     assert latest(str(root)) == str(root / "step_00000003")
+
+
+class _Interrupting:
+    """A state entry whose pickling meets a Ctrl-C, as a SIGINT mid-save does."""
+
+    def __reduce__(self):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_mid_save_is_an_interrupt_not_a_failed_write(tmp_path: Path, one_rank) -> None:
+    """DCP wraps a rank's KeyboardInterrupt into its CheckpointException; the example then
+    reported a Ctrl-C during a save as a failed write (status 1, not 130)."""
+    root = tmp_path / "ckpt"
+    saver = Checkpointer(str(root))
+    saver.save(1, lambda: {"w": torch.ones(4), "step": 1})
+    with pytest.raises(KeyboardInterrupt):
+        saver.save(2, lambda: {"w": torch.ones(4), "step": 2, "extra": _Interrupting()})
+    assert latest(str(root)) == str(root / "step_00000001")

@@ -93,6 +93,13 @@ def _first_cause(error: BaseException) -> str:
     return f"{where}{type(error).__name__}: {text[0] if text else ''}"
 
 
+def _interrupted(error: BaseException) -> bool:
+    """Whether a rank's save ended by Ctrl-C: DCP wraps a rank's ``KeyboardInterrupt`` into
+    its ``CheckpointException`` like any other error."""
+    failures = error.failures if isinstance(error, dcp.CheckpointException) else {}
+    return any(isinstance(cause, KeyboardInterrupt) for cause, _ in failures.values())
+
+
 def _write_synced(path: str, text: str) -> None:
     """Write ``text`` into the file ``path`` and sync it to disk."""
     with open(path, "w") as f:
@@ -268,6 +275,8 @@ class Checkpointer:
                 planner=StreamingSavePlanner(),
             )
         except (Exception, dcp.CheckpointException) as error:  # DCP wraps every rank's error
+            if _interrupted(error):  # Ctrl-C mid-save is the user's stop, not a failed write
+                raise KeyboardInterrupt from error
             free_gb = shutil.disk_usage(self.root).free / 1e9
             published = latest(self.root)
             kept = (
