@@ -22,6 +22,7 @@ from planners.cost import (
 from planners.estimators import LookaheadPerfEstimator, LookaheadStorageEstimator
 from planners.proposer import CacheProposal, LookaheadCacheProposer
 from planners.statistics import LookaheadCacheStatistics
+from torchrec_lookahead.settings import check_count
 
 __all__ = ["LookaheadShardingPlanner", "lookahead_planner", "plan_report"]
 
@@ -83,6 +84,9 @@ def lookahead_planner(
             a CUDA topology a table cached whole gets the load factor just below 1, which
             TorchRec's UVM caching takes (the cache still holds every row).
     """
+    # TorchRec's estimators need it (EmbeddingShardingPlanner defaults None to 512 samples;
+    # a cache sized for a batch other than the user's is not a default to take silently).
+    batch_size = check_count("batch_size", batch_size, 1)
     missing = sorted({t.name for t in tables} - set(statistics))
     if missing:
         raise ValueError(f"no cache statistics for tables {missing}")

@@ -585,6 +585,16 @@ def test_bad_statistics_settings_are_refused(kwargs, message) -> None:
         LookaheadCacheStatistics([np.arange(4)] * 2, 10, 2, name="t", **kwargs)
 
 
+@pytest.mark.parametrize(("batch_size", "message"), [(None, "integer"), (0, "at least 1")])
+def test_a_batch_size_that_is_not_a_positive_integer_is_refused(batch_size, message) -> None:
+    """TorchRec's estimators failed inside on ``None`` (its planner's default is 512
+    samples; a cache is not sized for a batch the user did not say)."""
+    stats = {"t0": zipf_stats(4000, 256, 1.0, seed=1)}
+    cpu = Topology(world_size=1, compute_device="cpu")
+    with pytest.raises(ValueError, match=f"batch_size must be .*{message}"):
+        lookahead_planner(cpu, batch_size, _bag_tables((4000,)), stats, SGD, 1.0)
+
+
 def test_a_step_time_that_is_not_a_number_is_refused() -> None:
     with pytest.raises(ValueError, match="step_compute_ms non-negative"):
         LookaheadCacheProposer(1e3, float("nan"))
