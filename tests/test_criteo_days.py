@@ -701,3 +701,16 @@ def test_preprocess_command_names_a_bad_folder_flag(tmp_path: Path, flags, messa
     assert done.returncode == 2, done.stderr[-2000:]
     assert message.replace("FILE", names["FILE"]) in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_preprocess_reads_an_input_folder_it_cannot_write(tmp_path: Path) -> None:
+    """Raw days on a read-only mount were refused ("cannot be written"). ``/proc``: a
+    folder root too can read and not write; it passes, and is refused for its files."""
+    done = subprocess.run(
+        [sys.executable, str(PREPROCESS), "--input_dir", "/proc", "--output_dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and done.stderr.startswith("error: /proc: "), done.stderr[-2000:]
+    assert "cannot be" not in done.stderr

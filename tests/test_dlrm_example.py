@@ -473,6 +473,25 @@ def test_bad_input_gets_one_clear_message(tmp_path: Path, flags, code, message, 
     assert not (tmp_path / "out").exists()  # nothing written
 
 
+def test_folders_only_read_are_not_written_into(tmp_path: Path, capsys) -> None:
+    """Data on a read-only mount was refused ("cannot be written"): the write probe ran
+    on every folder flag, and left and removed a folder in the user's data folder.
+    ``/proc``: a folder any user, root too, can read and cannot write into."""
+    import flags as example_flags
+    from folders import folder_problem
+
+    assert folder_problem("/proc", must_exist=True, written=False) is None
+    assert (folder_problem("/proc", must_exist=True) or "").startswith("cannot be written")
+    data = tmp_path / "days"
+    data.mkdir()
+    assert folder_problem(str(data), must_exist=True, written=False) is None
+    assert not list(data.iterdir())  # nothing made in it, not even for a moment
+    with pytest.raises(SystemExit):  # /proc holds no days: the days' check refuses it
+        example_flags.parse_args([*TINY, "--out", str(tmp_path / "out"), "--dataset_path", "/proc"])
+    stderr = capsys.readouterr().err
+    assert "--dataset_path: /proc:" in stderr and "cannot be" not in stderr, stderr
+
+
 def test_resume_onto_another_model_names_the_flags(tmp_path: Path, capsys) -> None:
     first, _ = run(
         tmp_path / "first",

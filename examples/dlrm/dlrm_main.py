@@ -10,7 +10,7 @@ same weights on the same data and compare.
 
     python examples/dlrm/dlrm_main.py --baseline                   # synthetic Criteo-shaped data
     torchrun --standalone --nproc_per_node 2 examples/dlrm/dlrm_main.py
-    python examples/dlrm/dlrm_main.py --dataset_path /data/criteo  # day_*.npy or raw TSV days
+    python examples/dlrm/dlrm_main.py --dataset_path /data/criteo  # day_*.npy: see preprocess.py
 
 Checkpoints (``--save_dir``, ``--checkpoint_every``, ``--async_checkpoint``) make a
 job survive failures: under ``torchrun --max-restarts N`` a restarted worker group

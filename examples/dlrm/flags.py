@@ -291,14 +291,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--embedding_dim must be a multiple of 4 (FBGEMM's kernels need row widths "
             f"in multiples of 4), got {args.embedding_dim}"
         )
-    for name, must_exist in (
-        ("dataset_path", True),
-        ("store_dir", True),
-        ("save_dir", False),
-        ("data_cache", False),
-        ("out", False),
+    for name, must_exist, written in (
+        ("dataset_path", True, False),  # only read: a read-only mount is fine
+        ("store_dir", True, True),
+        ("save_dir", False, True),
+        ("data_cache", False, True),
+        ("out", False, True),
     ):
-        if problem := folder_problem(getattr(args, name), must_exist):
+        if problem := folder_problem(getattr(args, name), must_exist, written):
             p.error(f"--{name} {getattr(args, name)}: {problem}")
     for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps"):
         if getattr(args, name) < 0:

@@ -9,11 +9,13 @@ from pathlib import Path
 __all__ = ["folder_problem"]
 
 
-def folder_problem(path: str | None, must_exist: bool) -> str | None:
+def folder_problem(path: str | None, must_exist: bool, written: bool = True) -> str | None:
     """What is wrong with ``path`` as a folder to read (``must_exist``) or to write into,
-    if anything: a file where a folder is expected, here or above, or a folder that
-    cannot be written or made (found now, by making and removing a folder in it or in
-    its nearest existing parent, not when the run writes its outputs at the end)."""
+    if anything: a file where a folder is expected, here or above, a folder to read that
+    cannot be listed and read, or one to write that cannot be written or made (found now,
+    by making and removing a folder in it or in its nearest existing parent, not when the
+    run writes its outputs at the end). A folder only read (``written=False``: data, often
+    on a read-only mount) is not probed: nothing is written into it."""
     if path is None:
         return None
     folder = Path(path)
@@ -21,6 +23,8 @@ def folder_problem(path: str | None, must_exist: bool) -> str | None:
         return "is a file, not a folder"
     if must_exist and not folder.exists():
         return "no such folder"
+    if not written:
+        return None if os.access(folder, os.R_OK | os.X_OK) else "cannot be read"
     above = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
     if not above.is_dir():
         return f"cannot be created: {above} is a file"

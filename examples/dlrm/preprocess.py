@@ -62,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--workers must be at least 1, got {args.workers}")
     if not args.block_mb > 0:
         p.error(f"--block_mb must be a positive number, got {args.block_mb}")
-    for name, must_exist in (("input_dir", True), ("output_dir", False)):
-        if problem := folder_problem(getattr(args, name), must_exist):
+    for name, must_exist, written in (("input_dir", True, False), ("output_dir", False, True)):
+        if problem := folder_problem(getattr(args, name), must_exist, written):
             p.error(f"--{name} {getattr(args, name)}: {problem}")
     return args
 
