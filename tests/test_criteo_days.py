@@ -578,6 +578,14 @@ def raw_day(folder: Path, name: str) -> None:
             r"files that are no Criteo day: day_01, day_2.tsv",
         ),
         (lambda f: None, r"no raw Criteo days"),
+        (
+            lambda f: [raw_day(f, "day_0"), (f / "day_1").symlink_to("/nonexistent/day_1")],
+            r"day_1 named as days but not readable files \(a folder, or a link to nothing",
+        ),
+        (
+            lambda f: [raw_day(f, "day_0"), (f / "day_1").mkdir()],
+            r"day_1 named as days but not readable files",
+        ),
     ],
 )
 def test_preprocessing_refuses_bad_day_sets_before_writing(tmp_path: Path, make, message) -> None:
@@ -625,6 +633,13 @@ def test_preprocessing_refuses_bad_day_sets_before_writing(tmp_path: Path, make,
             r"no Criteo day: day_0_sparse_multi_hot.npz",
         ),
         (lambda f: None, r"found no day"),
+        (
+            lambda f: [
+                *(npy_day(f, d) for d in (0, 1, 2)),
+                (f / "day_3_dense.npy").symlink_to("/nonexistent/day_3_dense.npy"),
+            ],
+            r"day_3_dense.npy named as days but not readable files",
+        ),
     ],
 )
 def test_training_day_sets_are_checked_by_name(tmp_path: Path, make, message) -> None:

@@ -13,7 +13,8 @@ The rules, so that a day set is never silently cut, renumbered or mixed:
 days are numbered ``0 .. N-1`` with no gap (``day_0``, ``day_5``, ``day_23``
 is refused, not read as days 0-2); a file whose name starts with ``day_`` but
 is no day of either layout (``day_01``, ``day_3_sparse_multi_hot.npz``) is
-refused; so is a compressed file (``.gz``, ...) anywhere in the folder. Each
+refused, as is a day's name on a folder or a link to nothing; so is a compressed
+file (``.gz``, ...) anywhere in the folder. Each
 refusal lists the files. Other names are left alone: markers (``done``,
 ``day_<n>.done``), ``spec.json``, the cardinality file, hidden files and the
 ``.partial`` files of writes in progress.
@@ -91,10 +92,14 @@ def scan_days(folder: str | Path) -> DaySet:
         raise DataError(f"{folder}: no such folder")
     raw: dict[int, Path] = {}
     npy: dict[int, dict[str, Path]] = {}
-    compressed, extra = [], []
+    compressed, extra, not_files = [], [], []
     for path in sorted(folder.iterdir()):
         name = path.name
-        if name.startswith(".") or name.endswith(".partial") or not path.is_file():
+        if name.startswith(".") or name.endswith(".partial"):
+            continue
+        if not path.is_file():  # a day's name on a folder or a dangling link: not skipped
+            if _RAW.fullmatch(name) or _NPY.fullmatch(name):
+                not_files.append(name)
             continue
         if name.lower().endswith(COMPRESSED):
             compressed.append(name)
@@ -109,6 +114,11 @@ def scan_days(folder: str | Path) -> DaySet:
             f"{folder}: compressed files {_listed(compressed)}: decompress them first "
             f"(e.g. gunzip -k {compressed[0]}) and remove the compressed copies; days are "
             "read as plain TSV or .npy"
+        )
+    if not_files:
+        raise DataError(
+            f"{folder}: {_listed(not_files)} named as days but not readable files (a "
+            "folder, or a link to nothing: a disk not mounted?)"
         )
     if extra:
         raise DataError(
