@@ -339,6 +339,11 @@ def test_streamed_conversion_equals_torchrecs_and_restarts_where_it_stopped(
         for ours, theirs in zip(days[day].paths(), reference):
             a, b = np.load(ours), np.load(theirs)
             assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    # Other files of the same names (other days): converted again, not taken as done.
+    (tmp_path / "other").mkdir()
+    others = [tsv_day(tmp_path / "other" / f"day_{d}", 300 + d, 7 + d) for d in range(3)]
+    again = convert_tsv_days(others, out, block_bytes=10_000, progress=False)
+    assert [d.rows for d in again] == [300, 301, 302]
 
 
 @pytest.mark.parametrize(
@@ -542,10 +547,17 @@ def test_preprocessing_restarts_by_day_and_refuses_other_settings(
     assert (out / "day_2_sparse_contig_freq.npy").stat().st_mtime_ns == mapped_at
     with pytest.raises(DataError, match=r"other frequency_threshold 2 \(now 3\)"):
         preprocess_days(raw, out, 3, progress=False)
-    with open(raw / "day_0", "a") as day_0:
-        day_0.write(good.split("\n")[0] + "\n")
+    day_0 = (raw / "day_0").read_bytes()
+    flipped = bytes(day_0).replace(b"0\t", b"2\t", 1)  # a digit: as many bytes
+    assert len(flipped) == len(day_0) and flipped != day_0
+    (raw / "day_0").write_bytes(flipped)
     with pytest.raises(DataError, match="day_0, which changed since it was converted"):
         preprocess_days(raw, out, 2, progress=False)
+    (raw / "day_0").write_bytes(day_0 + good.split("\n")[0].encode() + b"\n")
+    with pytest.raises(DataError, match="day_0, which changed since it was converted"):
+        preprocess_days(raw, out, 2, progress=False)
+    (raw / "day_0").write_bytes(day_0)  # as it was, though written again: the same day
+    assert preprocess_days(raw, out, 2, progress=False) == sizes
     with pytest.raises(DataError, match="already holds .npy days that this preprocessing did"):
         preprocess_days(raw, raw_days[1], 2, progress=False)  # TorchRec's own output folder
 

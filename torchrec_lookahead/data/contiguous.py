@@ -72,6 +72,7 @@ from torchrec_lookahead.data.days import (
     CAT_FEATURE_COUNT,
     CONTIGUOUS,
     PREPROCESS_STATE,
+    file_fingerprint,
     raw_day_paths,
     scan_days,
 )
@@ -171,7 +172,7 @@ def _check_output(out: Path, state: Path, settings: dict[str, Any], tsvs: list[P
         ]
         for day, tsv in enumerate(tsvs):
             marker = state / f"day_{day}.counted"
-            if not changed and marker.exists() and marker.read_text() != _fingerprint(tsv):
+            if not changed and marker.exists() and _changed(marker.read_text(), tsv):
                 changed.append(f"{tsv.name}, which changed since it was converted")
         if changed:
             raise DataError(
@@ -189,9 +190,12 @@ def _check_output(out: Path, state: Path, settings: dict[str, Any], tsvs: list[P
             )
 
 
-def _fingerprint(tsv: Path) -> str:
-    """What a day's marker records of the text it was converted from."""
-    return json.dumps({"name": tsv.name, "bytes": tsv.stat().st_size})
+def _changed(recorded: str, tsv: Path) -> bool:
+    """Whether ``tsv`` differs from what its day's marker recorded (``file_fingerprint``;
+    a marker of an earlier version holds its name and size only)."""
+    then = json.loads(recorded)
+    now = json.loads(file_fingerprint(tsv))
+    return any(then[key] != now[key] for key in then)
 
 
 def _shown(value: Any) -> str:
@@ -244,6 +248,7 @@ def _convert_and_count(tsv: Path, state: Path, out: Path, day: int, block_bytes:
     """Pass 1 for one day: its dense and label files into ``out``, its raw ids and its
     vocabulary (per column: distinct ids in order of first occurrence, and counts)
     into ``state``."""
+    source = file_fingerprint(tsv)  # before reading it: a day changed meanwhile differs
     columns = [IdCounts(record_ids=True) for _ in range(CAT_FEATURE_COUNT)]
 
     def count(ids: np.ndarray) -> None:
@@ -258,7 +263,7 @@ def _convert_and_count(tsv: Path, state: Path, out: Path, day: int, block_bytes:
     _write_atomically(state / f"day_{day}.vocab.npz", lambda f: np.savez(f, **vocabulary))
     for kind in ("dense", "labels"):
         os.replace(state / f"day_{day}_{kind}.npy", out / f"day_{day}_{kind}.npy")
-    (state / f"day_{day}.counted").write_text(_fingerprint(tsv))
+    (state / f"day_{day}.counted").write_text(source)
 
 
 def _column_table(state: Path, days: int, column: int, threshold: int) -> int:

@@ -23,7 +23,13 @@ import numpy as np
 from numba import njit
 from tqdm import tqdm
 
-from torchrec_lookahead.data.days import CAT_FEATURE_COUNT, INT_FEATURE_COUNT, DayFiles, find_days
+from torchrec_lookahead.data.days import (
+    CAT_FEATURE_COUNT,
+    INT_FEATURE_COUNT,
+    DayFiles,
+    file_fingerprint,
+    find_days,
+)
 from torchrec_lookahead.data.npy import DataError, MappedRows, RowWriter
 
 __all__ = ["DONE", "convert_tsv_day", "convert_tsv_days"]
@@ -40,15 +46,18 @@ _INT32 = np.iinfo(np.int32)
 def convert_tsv_days(
     tsvs: Sequence[Path], out: Path, block_bytes: int = 32 * 2**20, progress: bool = True
 ) -> list[DayFiles]:
-    """Convert ``tsvs`` (day 0, 1, ...) into ``out``; days already done are kept."""
+    """Convert ``tsvs`` (day 0, 1, ...) into ``out``; days already done from the same files
+    are kept (a day's marker records its file: ``file_fingerprint``), others converted."""
     out.mkdir(parents=True, exist_ok=True)
-    for day, tsv in enumerate(
-        tqdm(tsvs, desc="convert TSV days", unit="day", disable=not progress)
-    ):
-        marker = out / f"day_{day}.{DONE}"
-        if not marker.exists():
-            convert_tsv_day(Path(tsv), out, day, block_bytes)
-            marker.write_text(f"{tsv}\n")
+    sources = [file_fingerprint(tsv) for tsv in tsvs]
+    markers = [out / f"day_{day}.{DONE}" for day in range(len(tsvs))]
+    todo = [d for d, m in enumerate(markers) if not m.exists() or m.read_text() != sources[d]]
+    if todo:
+        (out / DONE).unlink(missing_ok=True)  # the folder is not whole until they are
+    for day in tqdm(todo, desc="convert TSV days", unit="day", disable=not progress):
+        markers[day].unlink(missing_ok=True)
+        convert_tsv_day(Path(tsvs[day]), out, day, block_bytes)
+        markers[day].write_text(sources[day])
     (out / DONE).write_text("".join(f"{t}\n" for t in tsvs))
     return find_days(out)
 
