@@ -354,6 +354,10 @@ def test_streamed_conversion_equals_torchrecs_and_restarts_where_it_stopped(
         (lambda fields: [fields[0], "1.5", *fields[2:]], r":43: field 2 is '1.5', not a decimal"),
         (lambda fields: [fields[0], "3000000000", *fields[2:]], r"field 2 .* of 32 bits"),
         (lambda fields: [*fields[:-1], "f" * 16], r"field 40 is 'f{16}', not .* below 2\*\*63"),
+        # NUL bytes (a crash-damaged file) were read as numpy's padding: "1\x002" as 0x12.
+        (lambda fields: [*fields[:-1], "1\x002"], r"field 40 is '1\\x002', not a hex.*NUL"),
+        (lambda fields: [*fields[:-1], "\x00"], r"field 40 is '\\x00', not a hexadecimal id"),
+        (lambda fields: [fields[0], "12\x00", *fields[2:]], r"field 2 .* not a decimal .*NUL"),
     ],
 )
 def test_a_malformed_line_is_named(tmp_path: Path, mutate, message) -> None:

@@ -192,6 +192,11 @@ def _parse(lines: list[bytes], path: Path, first_line: int) -> tuple[np.ndarray,
             f"{path}:{first_line + at}: {widths[at]} tab-separated fields; a Criteo "
             f"line has {FIELDS} (a label, 13 integers, 26 hex ids)"
         )
+    for at, row in enumerate(rows):  # numpy's bytes arrays take NUL for their padding
+        for field, text in enumerate(row):
+            if b"\0" in text:
+                kind = "a decimal integer" if field <= INT_FEATURE_COUNT else "a hexadecimal id"
+                _bad(path, first_line + at, field, text, f"{kind} (a NUL byte: a damaged file?)")
     table = np.array(rows, dtype=bytes)
     numbers = _decimal(table[:, : 1 + INT_FEATURE_COUNT], path, first_line)
     return (
