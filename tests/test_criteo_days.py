@@ -564,6 +564,10 @@ def test_preprocessing_restarts_by_day_and_refuses_other_settings(
     assert preprocess_days(raw, out, 2, progress=False) == sizes
     with pytest.raises(DataError, match="already holds .npy days that this preprocessing did"):
         preprocess_days(raw, raw_days[1], 2, progress=False)  # TorchRec's own output folder
+    recorded = state / "state.json"
+    recorded.write_text(recorded.read_text()[:5])  # damaged: a JSON error, named
+    with pytest.raises(DataError, match=r"state.json: damaged \(.*\); remove .*out to start"):
+        preprocess_days(raw, out, 2, progress=False)
 
 
 def npy_day(folder: Path, day: int, sparse: str = "sparse", rows: int = 10) -> None:
@@ -714,10 +718,15 @@ def test_lines_off_the_canonical_form_convert_as_torchrec_converts_them(tmp_path
             "--input_dir FILE: is a file, not a folder",
         ),
         (["--input_dir", "RAW", "--output_dir", "FILE/x"], "cannot be created: FILE is a file"),
+        (
+            ["--input_dir", "RAW", "--output_dir", "OUT", "--block_mb", "inf"],
+            "--block_mb must be a positive number, got inf",
+        ),
     ],
 )
-def test_preprocess_command_names_a_bad_folder_flag(tmp_path: Path, flags, message) -> None:
-    """A file given for a folder said "no such folder", or failed with the OS's error."""
+def test_preprocess_command_names_a_bad_flag(tmp_path: Path, flags, message) -> None:
+    """A file given for a folder said "no such folder", or failed with the OS's error; an
+    infinite block size failed with a traceback."""
     (tmp_path / "file").write_text("")
     raw_day(tmp_path / "raw", "day_0")
     names = {

@@ -261,10 +261,14 @@ def test_table_sizes_come_as_a_list_or_a_file(tmp_path: Path, capsys) -> None:
     assert example_flags.parse_args(base).num_embeddings == list(CRITEO_KAGGLE_TABLE_SIZES)
     (days / "num_embeddings_per_feature.txt").write_text(listed)
     assert example_flags.parse_args(base).num_embeddings == sizes  # the folder's own file
+    (tmp_path / "superscripts.txt").write_text(",".join(["²"] * 26))
     for value, message in (
         (f"@{tmp_path / 'none.txt'}", "none.txt: no such file"),
         ("1,2,3", "needs 26 positive comma-separated integers"),
         (str(days / "day_0_dense.npy"), "expected 26 comma-separated"),
+        # Digits str.isdigit takes: "٥" was read as 5, "²" failed in int() with a traceback.
+        (",".join(["٥"] * 26), "no such file"),
+        (f"@{tmp_path / 'superscripts.txt'}", "expected 26 comma-separated"),
     ):
         with pytest.raises(SystemExit):
             example_flags.parse_args([*base, "--num_embeddings_per_feature", value])

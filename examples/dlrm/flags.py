@@ -417,7 +417,7 @@ def loader_workers(local_ranks: int, cores: int | None = None) -> int:
 def table_sizes(value: str) -> list[int]:
     """``--num_embeddings_per_feature``: 26 comma-separated sizes, or a file holding them
     (``@FILE``, or any value that is not digits and commas, is a path)."""
-    if value.startswith("@") or not value.replace(",", "").isdigit():
+    if value.startswith("@") or not _digits(value.replace(",", "")):
         path = Path(value.removeprefix("@"))
         if not path.is_file():
             raise DataError(
@@ -426,7 +426,7 @@ def table_sizes(value: str) -> list[int]:
             )
         return read_cardinalities(path)
     sizes = value.split(",")
-    if len(sizes) != len(DEFAULT_CAT_NAMES) or not all(s.isdigit() and int(s) > 0 for s in sizes):
+    if len(sizes) != len(DEFAULT_CAT_NAMES) or not all(_digits(s) and int(s) > 0 for s in sizes):
         raise DataError("needs 26 positive comma-separated integers (or a file holding them)")
     return [int(s) for s in sizes]
 
@@ -464,3 +464,8 @@ def model_changes(args: argparse.Namespace, checkpoint: str) -> str | None:
     wanted = json.loads(json.dumps(model_config(args)))  # lists as JSON gives them back
     changed = [f"--{k}" for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
     return ", ".join(changed) or None
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` takes "²" and "٥", which ``int`` refuses or reads)."""
+    return text.isascii() and text.isdigit()

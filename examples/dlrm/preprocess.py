@@ -24,6 +24,7 @@ raw days. Bad input ends with one ``error:`` line and exit status 1.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--frequency_threshold must be 0 or more, got {args.frequency_threshold}")
     if args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
-    if not args.block_mb > 0:
+    if not (math.isfinite(args.block_mb) and args.block_mb > 0):
         p.error(f"--block_mb must be a positive number, got {args.block_mb}")
     for name, must_exist, written in (("input_dir", True, False), ("output_dir", False, True)):
         if problem := folder_problem(getattr(args, name), must_exist, written):

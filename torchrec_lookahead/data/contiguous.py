@@ -148,7 +148,7 @@ def read_cardinalities(path: str | Path) -> list[int]:
     text = Path(path).read_bytes()[:4096].decode(errors="replace").strip()
     sizes = text.split(",")
     if len(sizes) != CAT_FEATURE_COUNT or not all(
-        s.strip().isdigit() and int(s) > 0 for s in sizes
+        s.strip().isascii() and s.strip().isdigit() and int(s) > 0 for s in sizes
     ):
         raise DataError(
             f"{path}: expected {CAT_FEATURE_COUNT} comma-separated positive "
@@ -164,7 +164,7 @@ def _check_output(out: Path, state: Path, settings: dict[str, Any], tsvs: list[P
         raise DataError(f"{out}: is a file, not a folder")
     recorded = state / "state.json"
     if recorded.exists():
-        before = json.loads(recorded.read_text())
+        before = _recorded(recorded)
         changed = [
             f"{key} {_shown(before.get(key))} (now {_shown(value)})"
             for key, value in settings.items()
@@ -172,7 +172,7 @@ def _check_output(out: Path, state: Path, settings: dict[str, Any], tsvs: list[P
         ]
         for day, tsv in enumerate(tsvs):
             marker = state / f"day_{day}.counted"
-            if not changed and marker.exists() and _changed(marker.read_text(), tsv):
+            if not changed and marker.exists() and _changed(marker, tsv):
                 changed.append(f"{tsv.name}, which changed since it was converted")
         if changed:
             raise DataError(
@@ -190,12 +190,25 @@ def _check_output(out: Path, state: Path, settings: dict[str, Any], tsvs: list[P
             )
 
 
-def _changed(recorded: str, tsv: Path) -> bool:
+def _changed(recorded: Path, tsv: Path) -> bool:
     """Whether ``tsv`` differs from what its day's marker recorded (``file_fingerprint``;
     a marker of an earlier version holds its name and size only)."""
-    then = json.loads(recorded)
+    then = _recorded(recorded)
     now = json.loads(file_fingerprint(tsv))
     return any(then[key] != now[key] for key in then)
+
+
+def _recorded(path: Path) -> dict[str, Any]:
+    """A state file of the preprocessing (JSON), or ``DataError`` naming it if damaged."""
+    try:
+        recorded = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise DataError(
+            f"{path}: damaged ({error}); remove {path.parent.parent} to start again"
+        ) from error
+    if not isinstance(recorded, dict):
+        raise DataError(f"{path}: damaged (not a JSON object); remove {path.parent.parent}")
+    return recorded
 
 
 def _shown(value: Any) -> str:
