@@ -246,3 +246,33 @@ def test_fp16_tables_in_a_disk_store_or_with_hot_rows_are_refused(tmp_path) -> N
     one_width = [dataclasses.replace(t, embedding_dim=8) for t in tables[1:]]
     with pytest.raises(ValueError, match="hot_rows cannot be replicated with FP16 tables"):
         HotRowsEmbeddingBagCollection(one_width, hot_rows={"t1": [0, 1]})
+
+
+def test_cache_metrics_read_mid_run_count_the_planned_steps_alone() -> None:
+    """The progress bars' hit rate read mid-run was inflated: the distinct ids of every
+    batch in the window were counted, the misses of the steps planned only."""
+    from torchrec_lookahead import LookaheadTrainPipeline
+
+    model = lookahead_model("sgd", DataType.FP32, cache_load_factor=0.05)
+    data = batches(30)
+    pipeline = LookaheadTrainPipeline(
+        model,
+        torch.optim.SGD(model.over.parameters(), lr=0.1),
+        torch.device("cpu"),
+        lookahead=8,
+        prefetch_distance=1,
+    )
+    it = iter(data)
+    for _ in range(5):
+        pipeline.progress(it)
+    total = pipeline.cache_metrics()["total"]
+    groups = [g for m in (model.unweighted, model.weighted) for g in m.cached_groups]
+    entered = max(step for g in groups for step in g.step_counts) + 1
+    assert total.steps < entered  # batches in the window, not planned yet
+    planned = [
+        (u.sum(), m.sum()) for g in groups for s, (u, m) in g.step_counts.items() if s < total.steps
+    ]
+    assert total.unique_ids == sum(u for u, _ in planned)
+    assert total.misses == sum(m for _, m in planned)
+    assert total.lookups == sum(len(b.sparse_features.values()) for b in data[: total.steps])
+    pipeline.close()

@@ -4,9 +4,12 @@
 enters the window (ids looked up, distinct ids), each step as its plan is made
 (misses, that is rows fetched; rows written back; bytes moved both ways; where the
 device plans, the distinct ids too, read back with the plan by the executor) and
-each growth of a pool (counted to the table that took the most of it). Each
-step's distinct ids and misses are kept apart too, for the pipeline's per-step
-report, until the next window starts.
+each growth of a pool (counted to the table that took the most of it). The totals
+are of the steps planned: a batch's lookups and distinct ids join them with its
+plan, so that a hit rate read mid-run sets misses against the ids of the same
+steps (the window's batches not yet planned would inflate it). Each step's
+distinct ids and misses are kept apart too, for the pipeline's per-step report,
+until the next window starts.
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ class TableCounters:
         self.steps = 0
         # step -> (distinct ids, misses) per table: one small entry per step trained
         self.step_counts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._lookups: dict[int, np.ndarray] = {}  # per step entered, until it is planned
 
     def entered(self, step: int, lookups: np.ndarray, distinct: np.ndarray | None) -> None:
         """The batch of ``step`` entered the window: its ids and distinct ids per table
         (``None``: counted with its plan, where the device planned it)."""
-        self.totals["lookups"] += lookups
+        self._lookups[step] = lookups
         counted = np.zeros_like(lookups) if distinct is None else distinct
-        self.totals["unique_ids"] += counted
         self.step_counts[step] = (counted, np.zeros_like(counted))
 
     def planned(
@@ -57,12 +60,19 @@ class TableCounters:
         and the batch's distinct ids if ``entered`` did not have them."""
         if distinct is not None:
             self.step_counts[step][0][:] = distinct
-            self.totals["unique_ids"] += distinct
+        self.totals["lookups"] += self._lookups.pop(step)
+        self.totals["unique_ids"] += self.step_counts[step][0]
         self.step_counts[step][1][:] = fetched
         self.totals["misses"] += fetched
         self.totals["rows_written_back"] += evicted
         self.totals["bytes_moved"] += (fetched + evicted) * row_bytes
         self.steps += 1
+
+    def new_window(self) -> None:
+        """A new window starts: the steps of the last one, planned or not, are let go (the
+        totals stay)."""
+        self.step_counts.clear()
+        self._lookups.clear()
 
     def grown(self, table: int) -> None:
         """A pool grew; ``table`` took the most of it."""

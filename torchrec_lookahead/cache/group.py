@@ -170,7 +170,7 @@ class CacheGroup:
         self._oracles = None
         self._pending_growth = None  # the next window's first batch sizes the cache
         self._context = None
-        self.step_counts.clear()
+        self._counters.new_window()
 
     def prepare(
         self, features: KeyedJaggedTensor, step: int, bound: Mapping[str, int] | None = None
