@@ -299,3 +299,20 @@ def test_bad_input_gets_one_clear_message(
     assert returncode == code, stderr[-2000:]
     assert stderr.count("error:") == 1 and message in stderr, stderr[-2000:]
     assert "Traceback" not in stderr and not (tmp_path / "out").exists()
+
+
+def test_a_diverged_model_is_said_diverged_not_ranked_first(tmp_path: Path) -> None:
+    """With NaN scores every held-out item ranked first (Recall@10 1.0), and the two runs'
+    NaN weights compared as "bitwise equal" (a NaN difference dropped by ``max``)."""
+    code, stdout, stderr, summary = run(
+        tmp_path, *TINY, "--lr", "1e30", "--limit_train_batches", "4", "--limit_test_batches", "2"
+    )
+    assert code == 0, stderr[-3000:]
+    assert summary is not None and summary["runs"][0]["metrics"]["recall@10"] == 0.0
+    assert "warning: the lookahead run diverged: its loss is nan at step" in stdout
+    import torch
+    from compare import largest_difference as gap  # the DLRM example's, which this one uses
+
+    number, nan = torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("nan")])
+    assert gap(number, nan) == float("inf") and gap(nan, nan.clone()) == 0.0
+    assert gap(number, number + 0.5) == 0.5

@@ -623,3 +623,12 @@ def test_synthetic_data_stopped_mid_write_leaves_no_staging_folder(
     folder = example_data.synthetic_days(spec, tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
     assert len(find_days(str(folder))) == 2
+
+
+def test_a_run_whose_loss_is_not_a_number_is_said_to_have_diverged() -> None:
+    from report import Run, diverged
+
+    runs = [Run("lookahead", first_step=10, loss=[0.5, float("nan")]), Run("baseline", loss=[0.5])]
+    assert diverged(runs) == [
+        "warning: the lookahead run diverged: its loss is nan at step 12 (a smaller learning rate?)"
+    ]

@@ -223,7 +223,9 @@ def evaluate(
             _, (_, scores, targets) = dmp(batch.to(device))
             counted = counted.to(device)
             target_scores = scores.gather(1, targets[:, None])
-            above = (scores > target_scores).sum(1)  # the held-out item's rank, from 0
+            # The held-out item's rank, from 0; a NaN score (a diverged model) ranks it last.
+            above = ((scores > target_scores) | scores.isnan()).sum(1)
+            above = torch.where(target_scores[:, 0].isnan(), scores.shape[1], above)
             top = counted & (above < TOP_K)
             losses = torch.nn.functional.cross_entropy(scores, targets, reduction="none")
             sums += torch.stack(

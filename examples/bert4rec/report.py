@@ -7,7 +7,7 @@ import argparse
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shared import agreement, write_outputs
+from shared import agreement, diverged, write_outputs
 
 from torchrec_lookahead.metrics import EMBEDDING_KINDS
 
@@ -92,6 +92,8 @@ def report(
         print(f"{'final weights':>26}{agreement(gap):>16}")
         print(f"{'largest difference':>26}{gap:>16.2g}")
     print(f"{'weights digest':>26}  {digest}")
+    for warning in diverged(runs):
+        print(warning)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {

@@ -2,11 +2,11 @@
 
 Its notices filter (the library notices it hides, installed first: some come while
 TorchRec is imported), the comparison of two runs (``weights_gap``,
-``weights_digest``, ``mean_over_ranks``), the verdict on the final weights
-(``agreement``), the training plot (``plot``), the writing of both outputs
-(``write_outputs``) and the check of an output folder (``folder_problem``), so both
-examples compare and draw
-their runs alike. They are loaded from that folder by path, under names of their own
+``weights_digest``, ``mean_over_ranks``), the verdicts on the final weights
+(``agreement``) and on a diverged loss (``diverged``), the training plot
+(``plot``), the writing of both outputs (``write_outputs``) and the check of an
+output folder (``folder_problem``), so both examples compare and draw their runs
+alike. They are loaded from that folder by path, under names of their own
 (``dlrm_notices``, ...), so this folder's modules keep their plain names (``data``,
 ``model``, ``report``) as the DLRM example's keep theirs.
 """
@@ -20,6 +20,7 @@ from types import ModuleType
 
 __all__ = [
     "agreement",
+    "diverged",
     "folder_problem",
     "mean_over_ranks",
     "plot",
@@ -51,5 +52,6 @@ weights_gap = _compare.weights_gap
 weights_digest = _compare.weights_digest
 mean_over_ranks = _compare.mean_over_ranks
 agreement = _report.agreement
+diverged = _report.diverged
 plot = _report.plot
 write_outputs = _report.write_outputs

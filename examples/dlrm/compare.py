@@ -10,7 +10,14 @@ import torch.distributed as dist
 from torchrec_lookahead.embedding import ShardedHotRowsEmbeddingBagCollection
 from torchrec_lookahead.metrics import KINDS
 
-__all__ = ["local_tensors", "mean_over_ranks", "replica_metrics", "weights_digest", "weights_gap"]
+__all__ = [
+    "largest_difference",
+    "local_tensors",
+    "mean_over_ranks",
+    "replica_metrics",
+    "weights_digest",
+    "weights_gap",
+]
 
 
 def mean_over_ranks(sent: dict[str, int], steps: int, device: torch.device) -> dict[str, float]:
@@ -34,7 +41,8 @@ def replica_metrics(dmp):  # noqa: ANN201
 
 def weights_gap(look, base, device: torch.device) -> float:
     """The largest difference between the two models' weights and optimizer state (each a
-    ``(model, optimizer)``), over every rank."""
+    ``(model, optimizer)``), over every rank: NaN against a number is an infinite
+    difference, NaN against NaN none (``max`` alone would drop a NaN)."""
     gap = 0.0
     pairs = [(look[0].state_dict(), base[0].state_dict())]
     pairs += [
@@ -49,10 +57,17 @@ def weights_gap(look, base, device: torch.device) -> float:
         for a, b in zip(mine.values(), theirs.values(), strict=True):
             for x, y in zip(local_tensors(a), local_tensors(b), strict=True):
                 if x.numel():
-                    gap = max(gap, float((x.float() - y.float()).abs().max()))
+                    gap = max(gap, largest_difference(x.float(), y.float()))
     worst = torch.tensor([gap], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst.item())
+
+
+def largest_difference(x: torch.Tensor, y: torch.Tensor) -> float:
+    """``|x - y|``'s largest element, NaN against NaN as 0 and against a number as inf."""
+    both = x.isnan() & y.isnan()
+    difference = torch.where(both, 0.0, (x - y).abs())
+    return float(difference.nan_to_num(nan=float("inf")).max())
 
 
 def local_tensors(value) -> list[torch.Tensor]:  # noqa: ANN001

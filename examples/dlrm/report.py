@@ -13,7 +13,7 @@ from typing import Any
 from torchrec_lookahead.data.dedup import DedupCounts
 from torchrec_lookahead.metrics import EMBEDDING_KINDS
 
-__all__ = ["Run", "agreement", "report"]
+__all__ = ["Run", "agreement", "diverged", "report"]
 
 
 @dataclass
@@ -144,6 +144,8 @@ def report(
     elif same is not None:  # --torchrec_plan: other starting weights, nothing to compare
         print(f"{'final weights':>26}{'not compared':>16}")
     print(f"{'weights digest':>26}  {digest}")
+    for warning in diverged(runs):
+        print(warning)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {
@@ -175,6 +177,19 @@ def trained_steps(first: int, ran: int, asked: int | None) -> str:
 
 
 TOLERANCE = 1e-5  # where summation orders differ (hot rows' bags mixing hot and cold ids)
+
+
+def diverged(runs: list[Any]) -> list[str]:
+    """A warning per run whose loss stopped being a number (its metrics mean nothing)."""
+    warnings = []
+    for run in runs:
+        bad = next((i for i, loss in enumerate(run.loss) if not math.isfinite(loss)), None)
+        if bad is not None:
+            warnings.append(
+                f"warning: the {run.name} run diverged: its loss is {run.loss[bad]} at step "
+                f"{run.first_step + bad + 1} (a smaller learning rate?)"
+            )
+    return warnings
 
 
 def agreement(gap: float) -> str:
