@@ -146,6 +146,14 @@ def test_lookahead_trains_bitwise_as_plain_torchrec(
     assert 0 < look["cache"]["hit_rate"] < 1 and len(look["hit_rate"]) == 8
     assert look["cache"]["rows_fetched_per_step"] > 0 and not base["cache"]
     assert (tmp_path / "out" / "training.png").stat().st_size > 0
+    # The bars end with the whole run's figures (they showed step 1's in runs of 20 steps
+    # or fewer), the hit rate the summary's.
+    bars = [line for line in stderr.replace("\r", "\n").splitlines() if "train " in line]
+    for r in (look, base):
+        shown = next(b for b in reversed(bars) if f"train {r['name']}" in b)
+        assert f"samples/s={r['samples'] / r['seconds']:,.0f}" in shown, shown
+        if r is look and ranks == 1:  # (the summary's counts every rank's, the bar rank 0's)
+            assert f"hit rate={look['cache']['hit_rate']:.3f}" in shown, shown
 
 
 def ratings_file(folder: Path, lines: list[str]) -> Path:

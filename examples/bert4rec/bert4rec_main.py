@@ -157,14 +157,12 @@ def train(
             run.step_s.append(elapsed)
             run.seconds += elapsed
             run.samples += args.train_batch_size * world_size
+            lookahead = pipeline if isinstance(pipeline, LookaheadTrainPipeline) else None
             if step % 20 == 0:  # the cache counters are summed over tables: not every step
-                postfix = {"samples/s": f"{run.samples / run.seconds:,.0f}"}  # so far
-                if isinstance(pipeline, LookaheadTrainPipeline):
-                    cache = pipeline.cache_metrics()["total"]
-                    if cache.unique_ids:  # (rank 0's shards; it may own none)
-                        postfix["hit rate"] = f"{cache.hit_rate:.3f}"
-                bar.set_postfix(postfix)
+                bar.set_postfix(shared.progress_postfix(run, lookahead))
             bar.update()
+        if run.seconds:  # the whole run's figures, whatever its length
+            bar.set_postfix(shared.progress_postfix(run, lookahead))
     run.loss = torch.stack(losses).tolist() if losses else []
     run.bytes_per_step = shared.mean_over_ranks(sent.bytes, max(len(run.step_s), 1), device)
     if isinstance(pipeline, LookaheadTrainPipeline):

@@ -4,11 +4,12 @@ Its notices filter (the library notices it hides, installed first: some come whi
 TorchRec is imported), the comparison of two runs (``weights_gap``,
 ``weights_digest``, ``mean_over_ranks``), the verdicts on the final weights
 (``agreement``) and on a diverged loss (``diverged``), the training plot
-(``plot``), the writing of both outputs (``write_outputs``) and the check of an
-output folder (``folder_problem``), so both examples compare and draw their runs
-alike. They are loaded from that folder by path, under names of their own
-(``dlrm_notices``, ...), so this folder's modules keep their plain names (``data``,
-``model``, ``report``) as the DLRM example's keep theirs.
+(``plot``) and progress bar's figures (``progress_postfix``), the writing of both
+outputs (``write_outputs``) and the check of an output folder
+(``folder_problem``), so both examples compare and draw their runs alike. They
+are loaded from that folder by path, under names of their own (``dlrm_notices``,
+...), so this folder's modules keep their plain names (``data``, ``model``,
+``report``) as the DLRM example's keep theirs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "folder_problem",
     "mean_over_ranks",
     "plot",
+    "progress_postfix",
     "weights_digest",
     "weights_gap",
     "write_outputs",
@@ -54,4 +56,5 @@ mean_over_ranks = _compare.mean_over_ranks
 agreement = _report.agreement
 diverged = _report.diverged
 plot = _report.plot
+progress_postfix = _report.progress_postfix
 write_outputs = _report.write_outputs

@@ -45,7 +45,7 @@ from data import SyntheticSpec, reader, real_days, synthetic_days
 from faults import attempt_store, fail_here
 from flags import MODEL_FILE, model_config, parse_args
 from model import build, cache_planner, hot_rows
-from report import Run, report
+from report import Run, progress_postfix, report
 from schedule import RateSchedule
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
@@ -191,10 +191,7 @@ def train(
             run.samples += args.batch_size * world_size
             if step % 20 == 1:  # the cache counters are summed over tables: not every step
                 run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
-                postfix = {"samples/s": f"{run.samples / run.seconds:,.0f}"}  # so far
-                if lookahead:
-                    postfix["hit rate"] = f"{pipeline.cache_metrics()['total'].hit_rate:.3f}"
-                bar.set_postfix(postfix)
+                bar.set_postfix(progress_postfix(run, pipeline if lookahead else None))
             bar.update()
             fail_here(args, rank, "step", step)
             if checkpointer and args.checkpoint_every and step % args.checkpoint_every == 0:
@@ -202,6 +199,8 @@ def train(
                     step,
                     partial(checkpoint_state, dmp, optimizer, step, train_reader.state_dict(step)),
                 )
+        if run.seconds:  # the whole run's figures, whatever its length
+            bar.set_postfix(progress_postfix(run, pipeline if lookahead else None))
     run.loss = torch.stack(losses).tolist() if losses else []
     run.private_mb = max(run.private_mb, anonymous_rss_bytes() / 2**20)
     run.bytes_per_step = mean_over_ranks(sent.bytes, max(step - start_step, 1), device)

@@ -13,7 +13,7 @@ from typing import Any
 from torchrec_lookahead.data.dedup import DedupCounts
 from torchrec_lookahead.metrics import EMBEDDING_KINDS
 
-__all__ = ["Run", "agreement", "diverged", "report"]
+__all__ = ["Run", "agreement", "diverged", "progress_postfix", "report"]
 
 
 @dataclass
@@ -177,6 +177,18 @@ def trained_steps(first: int, ran: int, asked: int | None) -> str:
 
 
 TOLERANCE = 1e-5  # where summation orders differ (hot rows' bags mixing hot and cold ids)
+
+
+def progress_postfix(run: Any, pipeline: Any | None) -> dict[str, str]:
+    """The progress bar's figures: samples/s so far and, for a lookahead run (its
+    ``LookaheadTrainPipeline``), the hit rate of the steps planned on this rank's shards
+    (none shown where it owns none). Read every few steps: it sums counters over tables."""
+    postfix = {"samples/s": f"{run.samples / run.seconds:,.0f}"}
+    if pipeline is not None:
+        cache = pipeline.cache_metrics()["total"]
+        if cache.unique_ids:
+            postfix["hit rate"] = f"{cache.hit_rate:.3f}"
+    return postfix
 
 
 def diverged(runs: list[Any]) -> list[str]:
