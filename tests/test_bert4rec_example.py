@@ -284,6 +284,11 @@ def test_trains_on_a_movielens_ratings_file(tmp_path: Path) -> None:
         ([], ["--emb_dim", "18", "--nhead", "2"], 2, "--emb_dim must be a multiple of 4"),
         ([], ["--mask_prob", "1"], 2, "--mask_prob must be in (0, 1)"),
         ([], ["--out", "/proc/out"], 2, "--out /proc/out: cannot be created in /proc"),
+        # Accepted and ignored before: synthetic flags beside MovieLens' ratings.
+        ([], ["--num_items", "5", "--zipf", "3"], 2, "--num_items, --zipf shape the synthetic"),
+        ([], ["--seed", "-1"], 2, "--seed must be an integer in [0, 2**63), got -1"),
+        # An OverflowError's traceback before: an id past 64 bits.
+        (["1::99999999999999999999::4::978300000"], [], 1, "line 1: expected UserID::MovieID"),
     ],
 )
 def test_bad_input_gets_one_clear_message(
@@ -324,3 +329,19 @@ def test_a_diverged_model_is_said_diverged_not_ranked_first(tmp_path: Path) -> N
     number, nan = torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("nan")])
     assert gap(number, nan) == float("inf") and gap(nan, nan.clone()) == 0.0
     assert gap(number, number + 0.5) == 0.5
+
+
+def test_movielens_flags_without_its_ratings_and_a_file_for_a_folder_are_refused(
+    tmp_path: Path, capsys
+) -> None:
+    """``--min_rating`` without ``--dataset_path`` was accepted and ignored; a ratings
+    file given for its folder said "no such folder"."""
+    parse = example_module("flags").parse_args
+    (tmp_path / "ratings.dat").write_text("1::2::3::4\n")
+    for argv, message in (
+        (["--min_rating", "4"], "--min_rating filter MovieLens' ratings: they need --dataset_path"),
+        (["--dataset_path", str(tmp_path / "ratings.dat")], "is a file, not a folder"),
+    ):
+        with pytest.raises(SystemExit):
+            parse(["--out", str(tmp_path / "out"), *argv])
+        assert message in capsys.readouterr().err

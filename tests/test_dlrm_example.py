@@ -419,6 +419,7 @@ def day_set_folder(folder: Path, kind: str) -> str:
         (["--keep_checkpoints", "-1"], 2, "--keep_checkpoints must be 0 (keep all) or more"),
         (["--dataset_path", "BAD_NPY"], 1, "expected dense [N, 13] float32, sparse [N, 26]"),
         (["--lookahead", "0"], 2, "--lookahead must be at least 1"),
+        (["--seed", "-1"], 2, "--seed must be an integer in [0, 2**63), got -1"),
         (["--cache_load_factor", "1.5"], 2, "--cache_load_factor must be in (0, 1]"),
         (["--resume"], 2, "need --save_dir"),
         (["--async_checkpoint"], 2, "--async_checkpoint needs --save_dir"),

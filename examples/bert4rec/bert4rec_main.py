@@ -293,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ValueError) as error:  # bad data or settings: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except MemoryError as error:  # sizes past this machine's memory (numpy says how much)
+        print(f"error: out of memory: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C: one line for the job, not a traceback per rank
         if os.environ.get("RANK", "0") == "0":
             print("interrupted", file=sys.stderr)

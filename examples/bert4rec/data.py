@@ -117,7 +117,7 @@ def synthetic_histories(spec: SyntheticSpec) -> History:
     ranks = rng.choice(n, size=(users, longest), p=popularity / popularity.sum())
     # The ranking slides over the items with time: user u sees rank r as item
     # by_rank[(r + shift_u) % n].
-    shift = np.floor(spec.drift * np.arange(users) / users).astype(np.int64)
+    shift = np.fmod(np.floor(spec.drift * np.arange(users) / users), n).astype(np.int64)
     fresh = by_rank[(ranks + shift[:, None]) % n]
     follow = rng.random((users, longest)) < FOLLOW
     pick = rng.integers(0, RELATED, (users, longest))
@@ -174,7 +174,7 @@ def parsed(lines: list[str]) -> np.ndarray | None:
         return None
     try:
         return np.array(fields, dtype=np.int64).reshape(-1, 4)
-    except ValueError:  # an empty field, a word, a number with a fraction
+    except (ValueError, OverflowError):  # an empty field, a word, a fraction, past int64
         return None
 
 

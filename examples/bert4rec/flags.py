@@ -101,14 +101,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "the histories need 2 <= --min_history <= --max_history (an item to train on "
             f"and one to hold out), got {args.min_history} and {args.max_history}"
         )
+    if not 0 <= args.seed < 2**63:  # numpy's seeds are non-negative, torch's 64-bit
+        p.error(f"--seed must be an integer in [0, 2**63), got {args.seed}")
+    if args.dataset_path is not None:
+        given = [
+            f"--{name}"
+            for name in ("num_users", "num_items", "zipf", "drift", "min_history", "max_history")
+            if getattr(args, name) != p.get_default(name)
+        ]
+        if given:
+            p.error(f"{', '.join(given)} shape the synthetic histories: not with --dataset_path")
+    else:
+        given = [
+            f"--{name}"
+            for name in ("min_rating", "min_user_count")
+            if getattr(args, name) != p.get_default(name)
+        ]
+        if given:
+            p.error(f"{', '.join(given)} filter MovieLens' ratings: they need --dataset_path")
     if args.prefetch_distance < 0:
         p.error(f"--prefetch_distance must be >= 0, got {args.prefetch_distance}")
     if not 0 < args.cache_load_factor <= 1:
         p.error(f"--cache_load_factor must be in (0, 1], got {args.cache_load_factor}")
     if args.dataset_path is not None:
         ratings = Path(args.dataset_path, "ratings.dat")
-        if not Path(args.dataset_path).is_dir():
-            p.error(f"--dataset_path {args.dataset_path}: no such folder")
+        if problem := shared.folder_problem(args.dataset_path, must_exist=True, written=False):
+            p.error(f"--dataset_path {args.dataset_path}: {problem}")
         if not ratings.is_file():
             p.error(
                 f"--dataset_path {args.dataset_path}: holds no ratings.dat (MovieLens' "

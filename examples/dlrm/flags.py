@@ -300,6 +300,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ):
         if problem := folder_problem(getattr(args, name), must_exist, written):
             p.error(f"--{name} {getattr(args, name)}: {problem}")
+    if not 0 <= args.seed < 2**63:  # numpy's seeds are non-negative, torch's 64-bit
+        p.error(f"--seed must be an integer in [0, 2**63), got {args.seed}")
     for name in ("lr_warmup_steps", "lr_decay_start", "lr_decay_steps"):
         if getattr(args, name) < 0:
             p.error(f"--{name} must be 0 or more, got {getattr(args, name)}")
