@@ -754,3 +754,38 @@ def test_preprocess_reads_an_input_folder_it_cannot_write(tmp_path: Path) -> Non
     )
     assert done.returncode == 1 and done.stderr.startswith("error: /proc: "), done.stderr[-2000:]
     assert "cannot be" not in done.stderr
+
+
+def test_a_failed_write_names_the_output_folder_and_its_space(tmp_path: Path) -> None:
+    """A full disk ended with "error: 4096 requested and 4080 written" (numpy's words for a
+    short write): no file, no folder, no word of space. Here the kernel refuses writes
+    past 300 bytes a file (EFBIG, as ENOSPC on a full disk)."""
+    import resource
+    import signal
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300, resource.RLIM_INFINITY))
+
+    for day in range(2):
+        raw_day(tmp_path / "raw", f"day_{day}")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(PREPROCESS),
+            "--input_dir",
+            str(tmp_path / "raw"),
+            "--output_dir",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=limited,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: preprocessing into {out} failed (") and "GiB free there" in line
+    assert line.endswith("run again to go on"), line

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -81,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             block_bytes=max(1, int(args.block_mb * 2**20)),
             progress=not args.quiet,
         )
-    except (DataError, ValueError, OSError) as error:  # bad data or settings: one line
+    except (DataError, ValueError) as error:  # bad data or settings: one line
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # a full disk, say: its writes' errors name no file
+        print(f"error: {disk_problem(error, args.output_dir)}", file=sys.stderr)
         return 1
     print(
         f"preprocessed {args.input_dir} into {args.output_dir} in "
@@ -90,6 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         f"({os.path.join(args.output_dir, CARDINALITY_FILE)}): {','.join(map(str, sizes))}"
     )
     return 0
+
+
+def disk_problem(error: OSError, output_dir: str) -> str:
+    """An OS error of the preprocessing, with the file (where the OS names it) and the
+    space left in the output folder: a short write names neither."""
+    what = f"{error.filename}: {error.strerror}" if error.filename else str(error)
+    try:
+        free = f"{shutil.disk_usage(output_dir).free / 2**30:.2f} GiB free there"
+    except OSError:
+        free = "its free space unknown"
+    return f"preprocessing into {output_dir} failed ({what}); {free}; run again to go on"
 
 
 if __name__ == "__main__":
