@@ -340,6 +340,11 @@ def test_streamed_conversion_equals_torchrecs_and_restarts_where_it_stopped(
             a, b = np.load(ours), np.load(theirs)
             assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     # Other files of the same names (other days): converted again, not taken as done.
+    # The earlier code's marker (the day's path) is taken as done, as that code took it.
+    (out / "day_0.done").write_text(f"{tsvs[0]}\n")
+    converted_at = (out / "day_0_dense.npy").stat().st_mtime_ns
+    convert_tsv_days(tsvs, out, block_bytes=10_000, progress=False)
+    assert (out / "day_0_dense.npy").stat().st_mtime_ns == converted_at
     (tmp_path / "other").mkdir()
     others = [tsv_day(tmp_path / "other" / f"day_{d}", 300 + d, 7 + d) for d in range(3)]
     again = convert_tsv_days(others, out, block_bytes=10_000, progress=False)
@@ -564,6 +569,9 @@ def test_preprocessing_restarts_by_day_and_refuses_other_settings(
     assert preprocess_days(raw, out, 2, progress=False) == sizes
     with pytest.raises(DataError, match="already holds .npy days that this preprocessing did"):
         preprocess_days(raw, raw_days[1], 2, progress=False)  # TorchRec's own output folder
+    (state / "day_0.counted").write_text("{}")  # not a day's record
+    with pytest.raises(DataError, match=r"day_0.counted: damaged \(not a day's record\)"):
+        preprocess_days(raw, out, 2, progress=False)
     recorded = state / "state.json"
     recorded.write_text(recorded.read_text()[:5])  # damaged: a JSON error, named
     with pytest.raises(DataError, match=r"state.json: damaged \(.*\); remove .*out to start"):
@@ -789,3 +797,7 @@ def test_a_failed_write_names_the_output_folder_and_its_space(tmp_path: Path) ->
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: preprocessing into {out} failed (") and "GiB free there" in line
     assert line.endswith("run again to go on"), line
+    from preprocess import disk_problem  # an input file's error is not the output's disk's
+
+    unreadable = PermissionError(13, "Permission denied", str(tmp_path / "raw" / "day_1"))
+    assert disk_problem(unreadable, str(out)) == f"{tmp_path}/raw/day_1: Permission denied"

@@ -97,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def disk_problem(error: OSError, output_dir: str) -> str:
-    """An OS error of the preprocessing, with the file (where the OS names it) and the
-    space left in the output folder: a short write names neither."""
+    """An OS error of the preprocessing: an input file's as the OS says it; a write's with
+    the space left in the output folder (a short write names no file)."""
     what = f"{error.filename}: {error.strerror}" if error.filename else str(error)
+    output = os.path.abspath(output_dir)
+    named = error.filename if isinstance(error.filename, str) else None
+    if named and os.path.commonpath([os.path.abspath(named), output]) != output:
+        return what  # reading an input file: no disk space to speak of
     try:
         free = f"{shutil.disk_usage(output_dir).free / 2**30:.2f} GiB free there"
     except OSError:

@@ -195,6 +195,10 @@ def _changed(recorded: Path, tsv: Path) -> bool:
     a marker of an earlier version holds its name and size only)."""
     then = _recorded(recorded)
     now = json.loads(file_fingerprint(tsv))
+    if "bytes" not in then or not then.keys() <= now.keys():
+        raise DataError(
+            f"{recorded}: damaged (not a day's record); remove {recorded.parent.parent}"
+        )
     return any(then[key] != now[key] for key in then)
 
 
@@ -276,7 +280,7 @@ def _convert_and_count(tsv: Path, state: Path, out: Path, day: int, block_bytes:
     _write_atomically(state / f"day_{day}.vocab.npz", lambda f: np.savez(f, **vocabulary))
     for kind in ("dense", "labels"):
         os.replace(state / f"day_{day}_{kind}.npy", out / f"day_{day}_{kind}.npy")
-    (state / f"day_{day}.counted").write_text(source)
+    _write_text(state / f"day_{day}.counted", source)
 
 
 def _column_table(state: Path, days: int, column: int, threshold: int) -> int:

@@ -51,6 +51,9 @@ def convert_tsv_days(
     out.mkdir(parents=True, exist_ok=True)
     sources = [file_fingerprint(tsv) for tsv in tsvs]
     markers = [out / f"day_{day}.{DONE}" for day in range(len(tsvs))]
+    for day, marker in enumerate(markers):  # the earlier code's marker: the day's path
+        if marker.exists() and marker.read_text() == f"{tsvs[day]}\n":
+            marker.write_text(sources[day])  # taken as done, as that code took it
     todo = [d for d, m in enumerate(markers) if not m.exists() or m.read_text() != sources[d]]
     if todo:
         (out / DONE).unlink(missing_ok=True)  # the folder is not whole until they are
