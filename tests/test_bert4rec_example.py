@@ -329,6 +329,8 @@ def test_a_diverged_model_is_said_diverged_not_ranked_first(tmp_path: Path) -> N
     number, nan = torch.tensor([1.0, 2.0]), torch.tensor([1.0, float("nan")])
     assert gap(number, nan) == float("inf") and gap(nan, nan.clone()) == 0.0
     assert gap(number, number + 0.5) == 0.5
+    infinite = torch.tensor([float("inf")])
+    assert gap(infinite, infinite.clone()) == 0.0 and gap(infinite, number[:1]) == float("inf")
 
 
 def test_movielens_flags_without_its_ratings_and_a_file_for_a_folder_are_refused(

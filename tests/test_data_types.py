@@ -261,6 +261,7 @@ def test_cache_metrics_read_mid_run_count_the_planned_steps_alone() -> None:
         torch.device("cpu"),
         lookahead=8,
         prefetch_distance=1,
+        stage_thread=False,  # no planning between the steps and the reads below
     )
     it = iter(data)
     for _ in range(5):

@@ -144,6 +144,7 @@ def train(
     bar = tqdm(desc=f"train {name}", total=total, unit="step", disable=rank != 0)
     dmp.train()
     losses = []  # kept on the device, read once at the end: no sync per step
+    lookahead = pipeline if isinstance(pipeline, LookaheadTrainPipeline) else None
     with CollectiveBytes() as sent, bar:
         for step in range(total + 1):  # the last call finds the data's end
             torch.manual_seed(dropout_seed(args.seed, rank, step))
@@ -157,7 +158,6 @@ def train(
             run.step_s.append(elapsed)
             run.seconds += elapsed
             run.samples += args.train_batch_size * world_size
-            lookahead = pipeline if isinstance(pipeline, LookaheadTrainPipeline) else None
             if step % 20 == 0:  # the cache counters are summed over tables: not every step
                 bar.set_postfix(shared.progress_postfix(run, lookahead))
             bar.update()

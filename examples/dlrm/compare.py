@@ -64,10 +64,11 @@ def weights_gap(look, base, device: torch.device) -> float:
 
 
 def largest_difference(x: torch.Tensor, y: torch.Tensor) -> float:
-    """``|x - y|``'s largest element, NaN against NaN as 0 and against a number as inf."""
-    both = x.isnan() & y.isnan()
-    difference = torch.where(both, 0.0, (x - y).abs())
-    return float(difference.nan_to_num(nan=float("inf")).max())
+    """``|x - y|``'s largest element; equal values (infinities, NaN against NaN) differ by
+    0, NaN against a number by inf."""
+    same = (x == y) | (x.isnan() & y.isnan())
+    difference = torch.where(same, 0.0, (x - y).abs())
+    return float(difference.nan_to_num(nan=float("inf"), posinf=float("inf")).max())
 
 
 def local_tensors(value) -> list[torch.Tensor]:  # noqa: ANN001

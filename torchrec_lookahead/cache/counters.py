@@ -1,7 +1,7 @@
 """What a group's cache did, per table: the counts behind its :class:`CacheMetrics`.
 
-:class:`~torchrec_lookahead.cache.group.CacheGroup` counts each batch as it
-enters the window (ids looked up, distinct ids), each step as its plan is made
+:class:`~torchrec_lookahead.cache.group.CacheGroup` records each batch as it
+enters the window (ids looked up, distinct ids), counts each step as its plan is made
 (misses, that is rows fetched; rows written back; bytes moved both ways; where the
 device plans, the distinct ids too, read back with the plan by the executor) and
 each growth of a pool (counted to the table that took the most of it). The totals
