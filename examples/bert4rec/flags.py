@@ -103,22 +103,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if not 0 <= args.seed < 2**63:  # numpy's seeds are non-negative, torch's 64-bit
         p.error(f"--seed must be an integer in [0, 2**63), got {args.seed}")
-    if args.dataset_path is not None:
-        given = [
-            f"--{name}"
-            for name in ("num_users", "num_items", "zipf", "drift", "min_history", "max_history")
-            if getattr(args, name) != p.get_default(name)
-        ]
-        if given:
-            p.error(f"{', '.join(given)} shape the synthetic histories: not with --dataset_path")
-    else:
-        given = [
-            f"--{name}"
-            for name in ("min_rating", "min_user_count")
-            if getattr(args, name) != p.get_default(name)
-        ]
-        if given:
-            p.error(f"{', '.join(given)} filter MovieLens' ratings: they need --dataset_path")
+    # Flags of the data not read: given (not at their defaults), they would be ignored.
+    synthetic = ("num_users", "num_items", "zipf", "drift", "min_history", "max_history")
+    unused, why = (
+        (synthetic, "shape the synthetic histories: not with --dataset_path")
+        if args.dataset_path is not None
+        else (
+            ("min_rating", "min_user_count"),
+            "filter MovieLens' ratings: they need --dataset_path",
+        )
+    )
+    if given := [f"--{n}" for n in unused if getattr(args, n) != p.get_default(n)]:
+        p.error(f"{', '.join(given)} {why}")
     if args.prefetch_distance < 0:
         p.error(f"--prefetch_distance must be >= 0, got {args.prefetch_distance}")
     if not 0 < args.cache_load_factor <= 1:

@@ -14,10 +14,9 @@ days are numbered ``0 .. N-1`` with no gap (``day_0``, ``day_5``, ``day_23``
 is refused, not read as days 0-2); a file whose name starts with ``day_`` but
 is no day of either layout (``day_01``, ``day_3_sparse_multi_hot.npz``) is
 refused, as is a day's name on a folder or a link to nothing; so is a compressed
-file (``.gz``, ...) anywhere in the folder. Each
-refusal lists the files. Other names are left alone: markers (``done``,
-``day_<n>.done``), ``spec.json``, the cardinality file, hidden files and the
-``.partial`` files of writes in progress.
+file (``.gz``, ...) anywhere in the folder. Each refusal lists the files. Other
+names are left alone: markers (``done``, ``day_<n>.done``), ``spec.json``, the
+cardinality file, hidden files and the ``.partial`` files of writes in progress.
 
 Nothing here imports torch, so the preprocessing command starts fast.
 """
