@@ -5,12 +5,15 @@ loading a disk store's tables never needs a whole table in memory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -98,6 +101,32 @@ def _interrupted(error: BaseException) -> bool:
     its ``CheckpointException`` like any other error."""
     failures = error.failures if isinstance(error, dcp.CheckpointException) else {}
     return any(isinstance(cause, KeyboardInterrupt) for cause, _ in failures.values())
+
+
+@contextlib.contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """A Ctrl-C (SIGINT) on the main thread waits for the block to end, then interrupts; a
+    second one interrupts at once. Inside DCP's writers an interrupt can surface as any
+    error (a C++ writer's ``RuntimeError``), and a save cut short publishes nothing: the
+    save in flight ends first, published or failed. Off the main thread, no signal comes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def defer(signum: int, frame: object) -> None:
+        if caught:  # a second Ctrl-C: the user will not wait
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        caught.append(signum)
+
+    previous = signal.signal(signal.SIGINT, defer)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
 
 
 def _write_synced(path: str, text: str) -> None:
@@ -232,8 +261,9 @@ class Checkpointer:
             return
         start = time.perf_counter()
         if self._thread is None:
-            self._write(step, state(), dist.group.WORLD)
-            self.step = step
+            with _ctrl_c_after():
+                self._write(step, state(), dist.group.WORLD)
+                self.step = step
         else:
             self.wait()
             self.step = step  # taken back if the write fails (``wait``)
