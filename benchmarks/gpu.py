@@ -23,7 +23,11 @@ steps, which enter no batch. Also reported: the steady steps' times; the peak HB
 setting allocated (above what an earlier setting left); for lookahead, per step after
 warm-up, the bytes its cache moved (rows and their optimizer state, both ways), how long
 the trainer waited for the stage's planned batch, and the stage threads' CPU time (input
-dist and planning), which say whether the stage bounds the step. Prints one table,
+dist and planning), which say whether the stage bounds the step. For every setting, per
+step after warm-up (medians), the host's CPU as ``host_cost.py`` counts it on the CPU
+(``thread_cpu.py``): the trainer thread's, and every thread's the setting started
+(lookahead's reader, planner and executor), issue 40's two host goals measured on a GPU
+host; a thread that waits for the device spins, so its wait counts. Prints one table,
 writes ``OUT/report.json``. Needs a GPU (``make gpu-check`` runs it; its runs on an H200
 are in ``docs/results.md``).
 """
@@ -43,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from common import dlrm_train, machine, write_report
+from thread_cpu import StepCpu
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -72,6 +77,9 @@ STAGE_THREAD = {"default": None, "inline": False, "thread": True}  # --stage: st
 # Lookahead's settings, by where its plans are made (LookaheadTrainPipeline's planner=).
 PLANNED = {"lookahead": "host", "lookahead-device": "device"}
 KINDS = ["fused", *ALGORITHMS, *PLANNED]
+# A setting's figures kept per round (with --repeats), the median round's reported; the
+# last, the steady steps' times, only kept.
+ROUNDS = ("step_ms", "trainer_cpu_ms", "other_threads_cpu_ms", "steady_step_ms")
 
 
 def settings(fractions: list[float], kinds: list[str]) -> list[tuple[str, float | None]]:
@@ -144,6 +152,7 @@ def measure(
     torch.cuda.empty_cache()
     left = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
+    cpu = StepCpu()  # the threads the setting starts, not the process group's
     pipeline, data = build(kind, fraction, args, device)
     # Every timed step is a steady one: lookahead's window holds L + d + 1 batches (d = 1),
     # so the data runs that far past the last step taken. A step after the data ran out
@@ -153,7 +162,7 @@ def measure(
     batches = iter([criteo_batch(data, s, args.batch_size) for s in range(total)])
     split = Split(pipeline if kind in PLANNED else None)
     timed = step_times_synchronised if args.sync_each_step else step_times_by_events
-    times = timed(pipeline, batches, args, split)
+    times = timed(pipeline, batches, args, split, cpu)
     steady = times[args.warmup :]
     result = {
         "setting": kind,
@@ -165,6 +174,7 @@ def measure(
         "bytes_moved_per_step": split.bytes_per_step(len(steady)),
         "steady_step_ms": [1000 * t for t in steady],
         **split.per_step_ms(len(steady)),
+        **cpu.summary(args.warmup),
     }
     if args.profile_steps:
         name = kind if fraction is None else f"{kind}_{fraction:g}"
@@ -177,16 +187,18 @@ def measure(
 
 
 def step_times_by_events(
-    pipeline: Any, batches: Iterator[Any], args: argparse.Namespace, split: Split
+    pipeline: Any, batches: Iterator[Any], args: argparse.Namespace, split: Split, cpu: StepCpu
 ) -> list[float]:
     """Seconds per step, from CUDA events recorded after each step on the trainer's
-    stream; the device is synchronised once, after the last."""
+    stream; the device is synchronised once, after the last. ``cpu`` counts each step's
+    CPU by thread."""
     marks = [torch.cuda.Event(enable_timing=True)]
     marks[0].record()
     for step in range(args.steps):
         if step == args.warmup:
             split.start()
-        pipeline.progress(batches)
+        with cpu.step():
+            pipeline.progress(batches)
         marks.append(torch.cuda.Event(enable_timing=True))
         marks[-1].record()
     marks[-1].synchronize()
@@ -194,17 +206,19 @@ def step_times_by_events(
 
 
 def step_times_synchronised(
-    pipeline: Any, batches: Iterator[Any], args: argparse.Namespace, split: Split
+    pipeline: Any, batches: Iterator[Any], args: argparse.Namespace, split: Split, cpu: StepCpu
 ) -> list[float]:
-    """Seconds per step, the device synchronised before and after each."""
+    """Seconds per step, the device synchronised before and after each (the wait for it
+    counted in ``cpu``'s step, by a thread that spins)."""
     times = []
     for step in range(args.steps):
         if step == args.warmup:
             split.start()
         torch.cuda.synchronize()
         start = time.perf_counter()
-        pipeline.progress(batches)
-        torch.cuda.synchronize()
+        with cpu.step():
+            pipeline.progress(batches)
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times
 
@@ -231,7 +245,7 @@ def profile(
 
 HEADER = (
     f"{'setting':>17}{'cache':>8}{'step ms':>10}{'samples/s':>12}{'peak HBM MB':>13}"
-    f"{'MiB moved':>11}{'stage wait':>12}{'stage CPU':>11}"
+    f"{'MiB moved':>11}{'stage wait':>12}{'stage CPU':>11}{'trainer CPU':>13}{'other CPU':>11}"
 )
 
 
@@ -245,6 +259,7 @@ def line(r: dict) -> str:
     return (
         f"{r['setting']:>17}{share:>8}{r['step_ms']:>10.2f}{r['samples_per_s']:>12,.0f}"
         f"{r['peak_hbm_mb']:>13,.0f}{mib:>11}{wait:>12}{cpu:>11}"
+        f"{r['trainer_cpu_ms']:>13.2f}{r['other_threads_cpu_ms']:>11.2f}"
     )
 
 
@@ -349,14 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     results = [
         {k: v for k, v in runs[0].items() if k != "steady_step_ms"}
-        | {
-            "step_ms_rounds": [r["step_ms"] for r in runs],
-            "steady_step_ms_rounds": [r["steady_step_ms"] for r in runs],
-        }
+        | {f"{key}_rounds": [r[key] for r in runs] for key in ROUNDS}
         for runs in zip(*rounds)
     ]
-    for r in results:  # the median round's step time
-        r["step_ms"] = statistics.median(r["step_ms_rounds"])
+    for r in results:  # the median round's figures
+        for key in ROUNDS[:-1]:
+            r[key] = statistics.median(r[f"{key}_rounds"])
         r["samples_per_s"] = args.batch_size * 1000 / r["step_ms"]
     print(f"medians over {args.repeats} round(s)\n{HEADER}")
     for r in results:

@@ -45,7 +45,6 @@ import contextlib
 import datetime
 import gc
 import json
-import os
 import statistics
 import sys
 import threading
@@ -60,6 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from common import dlrm_train, machine
+from thread_cpu import StepCpu
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import collective_utils
 from torchrec.distributed.composable.table_batched_embedding_slice import (
@@ -208,7 +208,7 @@ def measure(
     the last ``steps`` (see the module)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    earlier = _tids()  # threads of something else (in a test process: other pipelines)
+    cpu = StepCpu()  # threads alive now are another's (in a test process: other pipelines)
     dist.init_process_group("cuda:fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         with (
@@ -224,7 +224,7 @@ def measure(
             if checked:  # by BatchCheck.collate, where the loader collates (not timed)
                 collate = BatchCheck.of(model).collate()
                 batches = [collate(batch) for batch in batches]
-            rows = _run(pipeline, iter(batches), counter, warmup + steps, progress, earlier)
+            rows = _run(pipeline, iter(batches), counter, warmup + steps, progress, cpu)
             if kind == "lookahead":
                 pipeline.close()
             del pipeline, batches
@@ -307,50 +307,23 @@ def _run(
     counter: HostCounter,
     steps: int,
     progress: bool,
-    earlier: set[int],
+    cpu: StepCpu,
 ) -> list[Step]:
-    """Run ``steps`` steps, each one's figures; threads in ``earlier`` are not counted."""
+    """Run ``steps`` steps, each one's figures (its threads' CPU as ``cpu`` counts it)."""
     trainer = threading.get_ident()
     rows = []
     for _ in tqdm(range(steps), desc="steps", leave=False, disable=not progress):
-        cpu_before, tallies_before = _threads_cpu_s(earlier), counter.by_thread()
-        start = time.thread_time()
-        pipeline.progress(batches)
-        cpu = time.thread_time() - start
-        cpu_after, tallies_after = _threads_cpu_s(earlier), counter.by_thread()
-        others = {
-            name: cpu_after[name] - cpu_before.get(name, 0.0)
-            for name in cpu_after
-            if name != threading.current_thread().name
-        }
+        tallies_before = counter.by_thread()
+        with cpu.step():
+            pipeline.progress(batches)
+        tallies_after, measured = counter.by_thread(), cpu.steps[-1]
         mine = counter.name(trainer)
         spent = {
             name: t.minus(tallies_before.get(name, Tally())) for name, t in tallies_after.items()
         }
         rest = {name: t for name, t in spent.items() if name != mine}
-        rows.append(Step(cpu, spent.get(mine, Tally()), others, rest))
+        rows.append(Step(measured.cpu_s, spent.get(mine, Tally()), measured.others_s, rest))
     return rows
-
-
-def _tids() -> set[int]:
-    """The native ids of this process's threads now."""
-    return {int(task) for task in os.listdir("/proc/self/task")}
-
-
-def _threads_cpu_s(skip: set[int]) -> dict[str, float]:
-    """CPU seconds so far of every thread of this process but those in ``skip``, by name
-    (Python's thread names; ``tid <id>`` for threads Python did not start: torch's and
-    numba's pools)."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    found: dict[str, float] = {}
-    for task in os.listdir("/proc/self/task"):
-        if int(task) in skip and int(task) != threading.get_native_id():
-            continue
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                name = names.get(int(task), f"tid {task}")
-                found[name] = found.get(name, 0.0) + int(f.read().split()[0]) / 1e9
-    return found
 
 
 def _sum(tallies: Iterator[Tally]) -> Tally:

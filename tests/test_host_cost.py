@@ -3,13 +3,16 @@
 The measuring function runs both pipelines at a tiny size (four tables, 64 samples,
 world size 1) under fake CUDA: identical steps count alike; a ``.item()`` added to
 every step shows as one more host wait. The counter counts a known sequence of
-operators exactly, and the report has its keys.
+operators exactly, and the report has its keys. Its per-thread CPU (``thread_cpu.py``,
+which ``gpu.py`` measures with on a GPU) goes to the thread that spent it.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from torchrec_lookahead.testing.host_waits import HostCounter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import host_cost  # noqa: E402
+from thread_cpu import StepCpu  # noqa: E402
 
 TINY = host_cost.Settings(scale=1.0, table_sizes=(1000, 2000, 500, 300), lookahead=4)
 KEYS = {
@@ -163,3 +167,46 @@ def test_the_device_oracles_step_issues_a_fixed_number_of_ops_and_waits_for_noth
     assert first["host_waits_per_step"] == second["host_waits_per_step"] == 0
     assert first["device_ops_per_step"] == second["device_ops_per_step"] > 0
     assert first["cpu_ms_per_step"] > 0
+
+
+def _burn(cpu_s: float) -> None:
+    """Spend ``cpu_s`` seconds of this thread's CPU."""
+    start = time.thread_time()
+    while time.thread_time() - start < cpu_s:
+        pass
+
+
+def test_step_cpu_charges_each_thread_its_own_cpu_and_leaves_out_earlier_threads() -> None:
+    stop, burnt = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            _burn(0.001)
+
+    def burn_then_stay() -> None:  # alive past the step, as a pipeline's threads are
+        _burn(0.05)
+        burnt.set()
+        stop.wait()
+
+    earlier = threading.Thread(target=spin, name="earlier")
+    earlier.start()  # before the recorder: another's thread, busy during the step
+    later = threading.Thread(target=burn_then_stay, name="later")
+    try:
+        cpu = StepCpu()
+        with cpu.step():
+            later.start()
+            _burn(0.03)
+            burnt.wait()
+        with cpu.step():  # nothing but the calling thread's own work
+            _burn(0.01)
+    finally:
+        stop.set()
+        earlier.join()
+        later.join()
+    first, second = cpu.steps
+    assert 0.03 <= first.cpu_s < 1.0 and 0.01 <= second.cpu_s < 1.0
+    assert list(first.others_s) == ["later"] and 0.05 <= first.others_s["later"] < 1.0
+    assert "earlier" not in second.others_s and sum(second.others_s.values()) < 0.05
+    summary = cpu.summary(first=1)  # the second step alone
+    assert summary["trainer_cpu_ms"] == pytest.approx(1e3 * second.cpu_s)
+    assert "earlier" not in summary["other_threads_cpu_ms_by_name"]
