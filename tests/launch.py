@@ -9,10 +9,11 @@ each process from that state. The processes are as real as before: separate addr
 spaces, gloo over TCP, their own stdout and exit code.
 
 * :func:`spawn` is ``torch.multiprocessing.spawn`` on the fork server.
-* :func:`run_example` runs ``examples/dlrm/dlrm_main.py`` at one or more ranks as
-  ``torchrun --standalone`` would (each rank gets torchrun's environment), its output and
-  exit code as from ``subprocess.run``. Runs that need torchrun itself (its restarts) go
-  through torchrun (``launcher="torchrun"``).
+* :func:`run_script` runs a script (a benchmark, say) at one or more ranks as ``python
+  script`` or ``torchrun --standalone`` would (each rank gets torchrun's environment), its
+  output and exit code as from ``subprocess.run``.
+* :func:`run_example` runs ``examples/dlrm/dlrm_main.py`` so. Runs that need torchrun
+  itself (its restarts) go through torchrun (``launcher="torchrun"``).
 """
 
 from __future__ import annotations
@@ -83,20 +84,29 @@ def run_example(
                 f"--max-restarts={restarts}",
             ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return run_script(EXAMPLE, *argv, ranks=ranks, timeout=timeout)
+
+
+def run_script(
+    script: Path, *argv: str, ranks: int = 1, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """``script`` with ``argv`` at ``ranks`` ranks, each rank a process forked from the warm
+    server and run as ``__main__`` with the script's folder first on its path: its stdout,
+    stderr and exit code (the first rank's that failed, else 0; 124 past ``timeout``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
         port = free_port()
         processes = [
             _CONTEXT.Process(
-                target=_example_rank,
-                args=(list(argv), _env(ranks, r, port), os.getcwd(), out, err),
+                target=_script_rank,
+                args=(str(script), list(argv), _env(ranks, r, port), os.getcwd(), out, err),
             )
             for r in range(ranks)
         ]
         for process in processes:
             process.start()
         code = _wait(processes, timeout)
-        return subprocess.CompletedProcess([str(EXAMPLE), *argv], code, _read(out), _read(err))
+        return subprocess.CompletedProcess([str(script), *argv], code, _read(out), _read(err))
 
 
 def _env(ranks: int, rank: int, port: int) -> dict[str, str]:
@@ -120,7 +130,9 @@ def _env(ranks: int, rank: int, port: int) -> dict[str, str]:
     }
 
 
-def _example_rank(argv: list[str], env: dict[str, str], cwd: str, out: Path, err: Path) -> None:
+def _script_rank(
+    script: str, argv: list[str], env: dict[str, str], cwd: str, out: Path, err: Path
+) -> None:
     """One rank, in the forked process: the parent's environment and working directory,
     output appended to the shared files (ranks interleave, as under torchrun)."""
     os.environ.clear()
@@ -128,9 +140,9 @@ def _example_rank(argv: list[str], env: dict[str, str], cwd: str, out: Path, err
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
-    sys.argv = [str(EXAMPLE), *argv]
-    sys.path.insert(0, str(EXAMPLE.parent))
-    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).parent))
+    runpy.run_path(script, run_name="__main__")
 
 
 def _wait(processes: Sequence[Any], timeout: int) -> int:

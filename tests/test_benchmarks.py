@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from benchmarks.common import SequenceData
 from planners import LookaheadCacheStatistics
+from tests.launch import run_script
 from tests.models import needs_store_buffers
 from torchrec_lookahead.data import SyntheticCriteo
 from torchrec_lookahead.metrics import EMBEDDING_KINDS
@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def benchmark(name: str, out: Path, *flags: str) -> str:
-    """Run ``benchmarks/<name>.py --out out *flags``; its stdout (its stderr if it fails)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--out", str(out), *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    """Run ``benchmarks/<name>.py --out out *flags`` (as ``python`` would, in a process
+    forked from the tests' warm server); its stdout (its stderr if it fails)."""
+    done = run_script(ROOT / "benchmarks" / f"{name}.py", "--out", str(out), *flags)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
