@@ -263,6 +263,22 @@ def line(r: dict) -> str:
     )
 
 
+def over_rounds(rounds: list[list[dict]], batch_size: int) -> list[dict]:
+    """Each setting's figures over ``rounds`` (each a list of every setting's ``measure``
+    result, in one order): the first round's, with each of :data:`ROUNDS` kept per round
+    (``<key>_rounds``) and, but the steady steps' times, its median over them."""
+    results = [
+        {k: v for k, v in runs[0].items() if k != "steady_step_ms"}
+        | {f"{key}_rounds": [r[key] for r in runs] for key in ROUNDS}
+        for runs in zip(*rounds)
+    ]
+    for r in results:
+        for key in ROUNDS[:-1]:
+            r[key] = statistics.median(r[f"{key}_rounds"])
+        r["samples_per_s"] = batch_size * 1000 / r["step_ms"]
+    return results
+
+
 class Split:
     """Where a lookahead step's time goes, per step after warm-up: the trainer's wait for
     the stage's next planned batch and for rows to land, and the stage thread's own CPU
@@ -362,15 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(result.get("profile", ""), end="", flush=True)
     finally:
         dist.destroy_process_group()
-    results = [
-        {k: v for k, v in runs[0].items() if k != "steady_step_ms"}
-        | {f"{key}_rounds": [r[key] for r in runs] for key in ROUNDS}
-        for runs in zip(*rounds)
-    ]
-    for r in results:  # the median round's figures
-        for key in ROUNDS[:-1]:
-            r[key] = statistics.median(r[f"{key}_rounds"])
-        r["samples_per_s"] = args.batch_size * 1000 / r["step_ms"]
+    results = over_rounds(rounds, args.batch_size)
     print(f"medians over {args.repeats} round(s)\n{HEADER}")
     for r in results:
         print(line(r))

@@ -650,3 +650,40 @@ def test_gil_on_fake_cuda_plans_on_the_device_and_waits_for_it(tmp_path, monkeyp
     # The planning thread waits for each batch it planned, beside either planner.
     assert report["config"]["device"] == "cuda" and len(synchronized) >= 2
     assert rows["device"]["plan_ms"] > 0 and rows["alone"]["plan_ms"] == 0
+
+
+def test_gpu_report_takes_the_median_round_of_each_figure_and_prints_the_hosts_cpu() -> None:
+    """``benchmarks/gpu.py`` measures only on a GPU; what it makes of its rounds and how it
+    prints a setting's row (the host's CPU columns last) are checked here."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu
+
+    def row(step_ms: float, trainer_ms: float, others_ms: float) -> dict:
+        return {
+            "setting": "lookahead",
+            "cache_fraction": 0.05,
+            "step_ms": step_ms,
+            "samples_per_s": 0.0,
+            "peak_hbm_mb": 10.0,
+            "bytes_moved_per_step": 2.0**20,
+            "steady_step_ms": [step_ms, step_ms],
+            "stage_ms": 0.5,
+            "stage_cpu_plan_ms": 1.5,
+            "trainer_cpu_ms": trainer_ms,
+            "other_threads_cpu_ms": others_ms,
+        }
+
+    rounds = [[row(9.0, 3.0, 5.0)], [row(8.0, 4.0, 1.0)], [row(10.0, 2.0, 2.0)]]
+    (result,) = gpu.over_rounds(rounds, batch_size=8192)
+    assert (result["step_ms"], result["trainer_cpu_ms"], result["other_threads_cpu_ms"]) == (
+        9.0,
+        3.0,
+        2.0,
+    )
+    assert result["trainer_cpu_ms_rounds"] == [3.0, 4.0, 2.0]
+    assert result["steady_step_ms_rounds"] == [[9.0, 9.0], [8.0, 8.0], [10.0, 10.0]]
+    assert "steady_step_ms" not in result
+    assert result["samples_per_s"] == pytest.approx(8192 * 1000 / 9.0)
+    printed = gpu.line(result).split()
+    assert len(printed) == 10  # a value under each of the header's ten columns
+    assert printed[-4:] == ["0.50", "1.50", "3.00", "2.00"]  # stage wait, stage CPU, host CPU
