@@ -117,7 +117,7 @@ def test_small_cache_matches_all_resident_training(optimizer, lookahead, prefetc
 # The device planner's own ordering (plans made on the planning stream, read back on the
 # read-back stream, the slots left on the device) does not depend on the optimizer; the
 # moves of each optimizer's state, shared with the host planner, are checked above. So
-# the checker (about 30 s a test here, against 4 without it) runs at one.
+# the checker (25-31 s a test here, against 2-3 s without it) runs at one.
 @pytest.mark.checked_with("rowwise_adagrad")
 @pytest.mark.parametrize(("optimizer", "lookahead", "prefetch_distance"), ALL_PAIRS[1::3])
 def test_plans_made_on_the_device_match_all_resident_training_and_the_host_plans(
