@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,25 @@ def write_report(out: str | Path, report: dict) -> Path:
     path.write_text(json.dumps(report, indent=2))
     print(f"wrote {path}")
     return path
+
+
+def over_rounds(
+    rounds: list[list[dict]], medians: Sequence[str], kept: Sequence[str] = ()
+) -> list[dict]:
+    """Each setting's figures over ``rounds`` (each round a list of every setting's result,
+    in one order; settings alternate within a round, so drift on the machine spreads over
+    all): the first round's result, each key of ``medians`` its median over the rounds, and
+    each of ``medians`` and ``kept`` also per round, as ``<key>_rounds`` (a key of ``kept``
+    only so)."""
+    results = [
+        {k: v for k, v in runs[0].items() if k not in kept}
+        | {f"{key}_rounds": [r[key] for r in runs] for key in [*medians, *kept]}
+        for runs in zip(*rounds)
+    ]
+    for result in results:
+        for key in medians:
+            result[key] = statistics.median(result[f"{key}_rounds"])
+    return results
 
 
 def pinned_rows_needed(stream: list[np.ndarray], prefetch_distance: int) -> int:

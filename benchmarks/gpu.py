@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import dlrm_train, machine, write_report
+from common import dlrm_train, machine, over_rounds, write_report
 from thread_cpu import StepCpu
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -77,9 +77,8 @@ STAGE_THREAD = {"default": None, "inline": False, "thread": True}  # --stage: st
 # Lookahead's settings, by where its plans are made (LookaheadTrainPipeline's planner=).
 PLANNED = {"lookahead": "host", "lookahead-device": "device"}
 KINDS = ["fused", *ALGORITHMS, *PLANNED]
-# A setting's figures kept per round (with --repeats), the median round's reported; the
-# last, the steady steps' times, only kept.
-ROUNDS = ("step_ms", "trainer_cpu_ms", "other_threads_cpu_ms", "steady_step_ms")
+# A setting's figures reported as their median over rounds (with --repeats).
+MEDIANS = ("step_ms", "trainer_cpu_ms", "other_threads_cpu_ms")
 
 
 def settings(fractions: list[float], kinds: list[str]) -> list[tuple[str, float | None]]:
@@ -263,18 +262,12 @@ def line(r: dict) -> str:
     )
 
 
-def over_rounds(rounds: list[list[dict]], batch_size: int) -> list[dict]:
+def summarised(rounds: list[list[dict]], batch_size: int) -> list[dict]:
     """Each setting's figures over ``rounds`` (each a list of every setting's ``measure``
-    result, in one order): the first round's, with each of :data:`ROUNDS` kept per round
-    (``<key>_rounds``) and, but the steady steps' times, its median over them."""
-    results = [
-        {k: v for k, v in runs[0].items() if k != "steady_step_ms"}
-        | {f"{key}_rounds": [r[key] for r in runs] for key in ROUNDS}
-        for runs in zip(*rounds)
-    ]
+    result, in one order): the median round's of :data:`MEDIANS`, and per round those and
+    the steady steps' times (see ``common.over_rounds``)."""
+    results = over_rounds(rounds, MEDIANS, kept=["steady_step_ms"])
     for r in results:
-        for key in ROUNDS[:-1]:
-            r[key] = statistics.median(r[f"{key}_rounds"])
         r["samples_per_s"] = batch_size * 1000 / r["step_ms"]
     return results
 
@@ -378,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(result.get("profile", ""), end="", flush=True)
     finally:
         dist.destroy_process_group()
-    results = over_rounds(rounds, args.batch_size)
+    results = summarised(rounds, args.batch_size)
     print(f"medians over {args.repeats} round(s)\n{HEADER}")
     for r in results:
         print(line(r))

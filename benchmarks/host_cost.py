@@ -27,7 +27,11 @@ while their internals change:
   and are not counted; in the JSON also by thread, each with its CPU net of emulation
   and its device ops.
 
-Figures are medians over the measured steps. Stood in for (a CPU build of torch has no
+Figures are medians over the measured steps. With --repeats every setting runs once a
+round, in turn; the host's CPU figures (:data:`MEDIANS`, among them ``trainer_net_gap_ms``,
+the trainer's net CPU less plain TorchRec's in the same round) are then medians over the
+rounds, each round's in ``<key>_rounds``, and the rest (counts, the same every round, and
+the figures by thread) the first round's. Stood in for (a CPU build of torch has no
 CUDA runtime; see ``STOOD_IN``, also written to the JSON): the backward (autograd cannot
 record fake CUDA tensors, so steps run under ``no_grad`` with ``Tensor.backward`` a
 no-op, the model in training mode otherwise), FBGEMM's TBE forward kernels (fake kernel
@@ -58,7 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from common import dlrm_train, machine
+from common import dlrm_train, machine, over_rounds
 from thread_cpu import StepCpu
 from torchrec.datasets.utils import Batch
 from torchrec.distributed import collective_utils
@@ -93,6 +97,15 @@ from torchrec_lookahead.testing.fake_cuda import FakeCuda
 from torchrec_lookahead.testing.host_waits import HostCounter, Tally
 
 DEVICE = torch.device("cuda", 0)
+# A row's figures reported as their median over --repeats rounds (the host's CPU, which
+# varies from run to run here; its counts do not).
+MEDIANS = (
+    "trainer_cpu_ms",
+    "emulation_ms",
+    "trainer_net_ms",
+    "trainer_net_gap_ms",
+    "other_threads_cpu_ms",
+)
 STOOD_IN = [
     "backward and optimizer update: autograd cannot record fake CUDA tensors on a CPU build "
     "(the process aborts), so steps run under torch.no_grad() with Tensor.backward a no-op; "
@@ -385,6 +398,7 @@ COLUMNS = [
     ("trainer CPU ms", "trainer_cpu_ms", "{:>15.1f}"),
     ("emulation ms", "emulation_ms", "{:>13.1f}"),
     ("net ms", "trainer_net_ms", "{:>8.1f}"),
+    ("gap ms", "trainer_net_gap_ms", "{:>8.1f}"),
     ("host waits", "host_waits", "{:>11g}"),
     ("device ops", "device_ops", "{:>11g}"),
     ("stream ops", "stream_ops", "{:>11g}"),
@@ -396,10 +410,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     widths = [len(f.format(0 if "g" in f or "f" in f else "")) for _, _, f in COLUMNS]
     lines = ["".join(f"{name:>{w}}" for (name, _, _), w in zip(COLUMNS, widths))]
     for row in rows:
-        lines.append(
-            "".join(f.format("" if row[key] is None else row[key]) for _, key, f in COLUMNS)
-        )
+        cells = [
+            f"{'-':>{width}}" if row.get(key) is None else f.format(row[key])
+            for (_, key, f), width in zip(COLUMNS, widths)
+        ]
+        lines.append("".join(cells))
     return "\n".join(lines)
+
+
+def add_gaps(rows: list[dict[str, Any]]) -> None:
+    """Each row's ``trainer_net_gap_ms``: its trainer's net CPU per step less plain
+    TorchRec's at the same world size and batch size, in the same round (the issue's
+    goal: at most 1 ms); ``None`` where plain did not run."""
+    plain = {
+        (r["world_size"], r["batch_size"]): r["trainer_net_ms"]
+        for r in rows
+        if r["pipeline"] == "plain"
+    }
+    for row in rows:
+        base = plain.get((row["world_size"], row["batch_size"]))
+        row["trainer_net_gap_ms"] = None if base is None else row["trainer_net_ms"] - base
 
 
 def planner_dispatch(steps: int = 200, warmup: int = 50) -> dict[str, float]:
@@ -446,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1, help="rounds over every setting")
     p.add_argument(
         "--loader-checks",
         action="store_true",
@@ -463,22 +494,27 @@ def main(argv: list[str] | None = None) -> int:
         for ws in args.world_sizes
         for kind, planner in kinds
     ]
-    rows = []
-    for kind, ws, bs, planner in tqdm(runs, desc="settings"):
-        rows.append(
-            measure(
-                kind,
-                ws,
-                bs,
-                args.steps,
-                args.warmup,
-                settings,
-                planner=planner,
-                loader_checks=args.loader_checks,
-            )
-        )
-        tqdm.write(table(rows[-1:]))
-    print(table(rows))
+    rounds: list[list[dict[str, Any]]] = []
+    with tqdm(total=args.repeats * len(runs), desc="settings") as progress:
+        for _ in range(args.repeats):  # every setting once a round: drift spreads over all
+            rounds.append([])
+            for kind, ws, bs, planner in runs:
+                row = measure(
+                    kind,
+                    ws,
+                    bs,
+                    args.steps,
+                    args.warmup,
+                    settings,
+                    planner=planner,
+                    loader_checks=args.loader_checks,
+                )
+                rounds[-1].append(row)
+                tqdm.write(table([row]))
+                progress.update()
+            add_gaps(rounds[-1])
+    rows = over_rounds(rounds, MEDIANS)
+    print(f"medians over {args.repeats} round(s)\n{table(rows)}")
     dispatch = planner_dispatch()
     print(
         "the device oracle's step, dispatch only (one pool, CPU tensors of 32 ids): "

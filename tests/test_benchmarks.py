@@ -674,7 +674,7 @@ def test_gpu_report_takes_the_median_round_of_each_figure_and_prints_the_hosts_c
         }
 
     rounds = [[row(9.0, 3.0, 5.0)], [row(8.0, 4.0, 1.0)], [row(10.0, 2.0, 2.0)]]
-    (result,) = gpu.over_rounds(rounds, batch_size=8192)
+    (result,) = gpu.summarised(rounds, batch_size=8192)
     assert (result["step_ms"], result["trainer_cpu_ms"], result["other_threads_cpu_ms"]) == (
         9.0,
         3.0,

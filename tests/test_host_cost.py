@@ -162,6 +162,37 @@ def test_the_report_has_its_keys(
     assert all(KEYS <= set(row) for row in report["rows"])
 
 
+def test_rounds_give_medians_of_the_hosts_cpu_and_of_each_rounds_gap_to_plain(
+    plain: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--repeats`` the settings alternate round by round; the trainer's net CPU and
+    its gap to plain TorchRec's (taken within a round) are medians over the rounds."""
+    nets = {  # per setting, its net CPU in rounds 1, 2 and 3
+        "host": [10.0, 14.0, 12.0],
+        "lookahead-host": [11.0, 20.0, 12.5],
+        "lookahead-device": [9.0, 15.0, 13.0],
+    }
+    calls: list[str] = []
+
+    def measure(kind: str, *args: Any, planner: str, loader_checks: bool) -> dict[str, Any]:
+        name = planner if kind == "plain" else f"{kind}-{planner}"
+        net = nets[name][sum(call == name for call in calls)]
+        calls.append(name)
+        return {**plain, "pipeline": kind, "planner": planner, "trainer_net_ms": net}
+
+    monkeypatch.setattr(host_cost, "measure", measure)
+    flags = ["--out", str(tmp_path), "--batch-sizes", "64", "--world-sizes", "1"]
+    assert host_cost.main([*flags, "--repeats", "3"]) == 0
+    assert calls == ["host", "lookahead-host", "lookahead-device"] * 3  # alternated
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [row["trainer_net_ms"] for row in rows] == [12.0, 12.5, 13.0]
+    assert rows[1]["trainer_net_ms_rounds"] == nets["lookahead-host"]
+    # Gaps per round: host 1, 6, 0.5; device -1, 1, 1 (not the medians' difference).
+    assert [row["trainer_net_gap_ms"] for row in rows] == [0.0, 1.0, 1.0]
+    assert rows[2]["trainer_net_gap_ms_rounds"] == [-1.0, 1.0, 1.0]
+    assert all(row["host_waits"] == plain["host_waits"] for row in rows)  # counts as measured
+
+
 def test_the_device_oracles_step_issues_a_fixed_number_of_ops_and_waits_for_nothing() -> None:
     first, second = host_cost.planner_dispatch(5, 20), host_cost.planner_dispatch(5, 30)
     assert first["host_waits_per_step"] == second["host_waits_per_step"] == 0
