@@ -351,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         p.error("--warmup must be at least 0 and below --steps")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py: no CUDA device here; it needs a GPU", file=sys.stderr)
         return 1
