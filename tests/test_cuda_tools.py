@@ -159,6 +159,37 @@ def test_rows_are_followed_one_by_one_for_index_operators() -> None:
         checker.errors.clear()
 
 
+def test_an_access_to_the_whole_is_checked_against_every_row_another_stream_used() -> None:
+    """A read of the whole table races with the row the side stream wrote, a write of it
+    with the rows the side stream read too; once the trainer waits for the side stream,
+    neither races, and a later row write there races again."""
+    with StreamChecker("cpu") as checker:
+        table = torch.zeros(8, 2) + 0
+        side = streams.side_stream("cpu")
+        side.wait_for(streams.mark("cpu"))
+        side.run(lambda: table.index_select(0, torch.tensor([3])))
+        side.run(lambda: table.index_copy_(0, torch.tensor([1]), torch.ones(1, 2)))
+        table.sum()
+        assert len(checker.errors) == 1 and "(row at 2) is read" in checker.errors[0]
+        table.zero_()
+        written = checker.errors[1:]
+        assert len(written) == 2 and "(row at 6) is written" in written[0]  # read there
+        assert "(row at 2) is written" in written[1]  # written there
+        checker.errors.clear()
+        side.current_waits(side.record())
+        table.sum()
+        side.wait_for(streams.mark("cpu"))
+        side.run(lambda: table.index_select(0, torch.tensor([4])))
+        side.current_waits(side.record())
+        table.zero_()
+        assert checker.errors == []
+        side.wait_for(streams.mark("cpu"))
+        side.run(lambda: table.index_copy_(0, torch.tensor([5]), torch.ones(1, 2)))
+        table.sum()
+        assert len(checker.errors) == 1 and "(row at 10) is read" in checker.errors[0]
+        checker.errors.clear()
+
+
 def test_host_memory_is_left_to_the_host() -> None:
     with StreamChecker("cpu") as checker:
         host = streams.host_side(torch.zeros(4) + 1)

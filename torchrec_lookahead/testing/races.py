@@ -50,15 +50,21 @@ class TrackedStorage:
     rows: dict[int, Access] = field(default_factory=dict)
     users: dict[int, tuple[int, str]] = field(default_factory=dict)  # stream -> last use
     recorded: set[int] = field(default_factory=set)  # streams given by record_stream
+    # Per stream, its latest step that wrote (read) one of ``rows``: a bound on every row's
+    # own, so that an access ordered after it needs no pass over the rows.
+    rows_written: dict[int, int] = field(default_factory=dict)
+    rows_read: dict[int, int] = field(default_factory=dict)
 
     def use_whole(self, use: Use, write: bool, names: Sequence[str], found: list[str]) -> None:
         """``use`` reads or writes the whole storage; races go to ``found`` (streams named
         by ``names``)."""
         self._against(self.whole, use, write, names, found, "")
-        for key, access in self.rows.items():
-            self._against(access, use, write, names, found, f" (row at {key})", reads=write)
+        if self._rows_may_race(use, write):
+            for key, access in self.rows.items():
+                self._against(access, use, write, names, found, f" (row at {key})", reads=write)
         if write:
             self.whole, self.rows = Access((use.stream, use.seq, use.op)), {}
+            self.rows_written, self.rows_read = {}, {}
         else:
             self.whole.reads[use.stream] = (use.seq, use.op)
         self.users[use.stream] = (use.seq, use.op)
@@ -68,17 +74,31 @@ class TrackedStorage:
     ) -> None:
         """``use`` reads or writes the rows starting at ``keys`` (as :meth:`use_whole`)."""
         self._against(self.whole, use, write, names, found, "", reads=write)
+        check = self._rows_may_race(use, write)
         for key in np.unique(keys).tolist():
             access = self.rows.get(key)
             if access is None:
                 access = self.rows[key] = Access()
-            elif len(found) < 3:
+            elif check and len(found) < 3:
                 self._against(access, use, write, names, found, f" (row at {key})")
             if write:
                 access.write, access.reads = (use.stream, use.seq, use.op), {}
             else:
                 access.reads[use.stream] = (use.seq, use.op)
+        (self.rows_written if write else self.rows_read)[use.stream] = use.seq
         self.users[use.stream] = (use.seq, use.op)
+
+    def _rows_may_race(self, use: Use, write: bool) -> bool:
+        """Whether some row's access of another stream may be unordered before ``use``: a
+        write not yet waited for, or (for a write) a read. Steps only grow, so the streams'
+        latest steps on any row bound each row's; false means no row needs a look."""
+        latest = (self.rows_written, self.rows_read) if write else (self.rows_written,)
+        known, stream = use.known, use.stream
+        return any(
+            other != stream and known.get(other, 0) < seq
+            for steps in latest
+            for other, seq in steps.items()
+        )
 
     def _against(
         self,
