@@ -582,6 +582,42 @@ def test_ctrl_c_ends_with_one_line_naming_the_checkpoint_to_resume(tmp_path: Pat
     assert summary is not None and len(summary["runs"][0]["step_s"]) == 2
 
 
+@pytest.mark.parametrize("example", ["dlrm/dlrm_main.py", "bert4rec/bert4rec_main.py"])
+def test_ctrl_c_while_the_example_starts_ends_with_one_line(example: str) -> None:
+    """A Ctrl-C during the seconds torch and TorchRec take to import printed the traceback
+    of the module being imported; it ends with one line and the shell's status for SIGINT."""
+    import signal
+    import time
+
+    with subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / example), "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as job:
+        deadline = time.monotonic() + 60
+        while "libtorch" not in Path(f"/proc/{job.pid}/maps").read_text():  # importing torch
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.01)
+        job.send_signal(signal.SIGINT)
+        stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == 130, stderr[-3000:]
+    assert stderr == "interrupted while starting (nothing trained or written)\n", stderr[-3000:]
+    assert "usage" not in stdout  # it ended before its main
+
+
+def test_a_program_importing_the_examples_keeps_its_own_ctrl_c() -> None:
+    """Only a process running an example's script hands Ctrl-C to the examples' start-up
+    handler; the tests import the examples' modules and keep Python's."""
+    import importlib
+    import signal
+
+    import startup
+
+    importlib.reload(startup)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's
+
+
 def test_the_steps_trained_are_said_as_trained() -> None:
     from report import trained_steps
 

@@ -17,7 +17,7 @@ ranking metrics (Recall@10, NDCG@10 of each user's held-out last item).
 from __future__ import annotations
 
 # isort: off
-import shared  # (first: it hides the notices TorchRec prints while it is imported)
+import shared  # (first: a quiet Ctrl-C while TorchRec imports; it hides its notices)
 
 # isort: on
 import argparse
@@ -287,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    shared.started()
     args = parse_args(argv)
     try:
         return run(args)
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line for the job, not a traceback per rank
         if os.environ.get("RANK", "0") == "0":
             print("interrupted", file=sys.stderr)
-        return 130  # what a shell reports for a process ended by SIGINT
+        return shared.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """What this example shares with the DLRM example (``examples/dlrm``).
 
-Its notices filter (the library notices it hides, installed first: some come while
-TorchRec is imported), the comparison of two runs (``weights_gap``,
+Its quiet Ctrl-C while it starts (``started``: see ``startup.py``) and its notices
+filter (the library notices it hides, installed first: some come while TorchRec is
+imported), the comparison of two runs (``weights_gap``,
 ``weights_digest``, ``mean_over_ranks``), the verdicts on the final weights
 (``agreement``) and on a diverged loss (``diverged``), the training plot
 (``plot``) and progress bar's figures (``progress_postfix``), the writing of both
@@ -20,12 +21,14 @@ from pathlib import Path
 from types import ModuleType
 
 __all__ = [
+    "INTERRUPTED",
     "agreement",
     "diverged",
     "folder_problem",
     "mean_over_ranks",
     "plot",
     "progress_postfix",
+    "started",
     "weights_digest",
     "weights_gap",
     "write_outputs",
@@ -47,6 +50,8 @@ def _load(name: str) -> ModuleType:
     return module
 
 
+_startup = _load("startup")  # first: a Ctrl-C while TorchRec is imported, one line
+started, INTERRUPTED = _startup.started, _startup.INTERRUPTED
 _load("notices")  # before TorchRec is imported
 _compare, _report = _load("compare"), _load("report")
 folder_problem = _load("folders").folder_problem

@@ -16,13 +16,15 @@ Checkpoints (``--save_dir``, ``--checkpoint_every``, ``--async_checkpoint``) mak
 job survive failures: under ``torchrun --max-restarts N`` a restarted worker group
 resumes from the latest complete checkpoint by itself, redoes the steps after it
 and ends with the weights of an uninterrupted run. ``--fail_at_step`` kills a
-rank on purpose to show it.
+rank on purpose to show it. A Ctrl-C ends the job with one line: the checkpoint to
+resume from, or, while torch and TorchRec still import, that nothing was done.
 """
 
 from __future__ import annotations
 
 # isort: off
-import notices  # noqa: F401  (first: TorchRec warns while it is imported)
+import startup  # (first: a Ctrl-C while torch and TorchRec import ends with one line)
+import notices  # noqa: F401  (before TorchRec: it warns while it is imported)
 
 # isort: on
 import argparse
@@ -393,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    startup.started()
     args = parse_args(argv)
     try:
         return run(args)
@@ -402,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: a save in flight was published (run's finally)
         if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
             print(interrupted(args.save_dir), file=sys.stderr)
-        return 130  # what a shell reports for a process ended by SIGINT
+        return startup.INTERRUPTED
 
 
 def interrupted(save_dir: str | None) -> str:
