@@ -616,6 +616,10 @@ def raw_day(folder: Path, name: str) -> None:
             lambda f: [raw_day(f, "day_0"), (f / "day_1").mkdir()],
             r"day_1 named as days but not readable files",
         ),
+        (  # refused at its turn before, after the days ahead of it were converted
+            lambda f: [raw_day(f, "day_0"), *[(f / f"day_{d}").write_bytes(b"") for d in (1, 2)]],
+            r"raw days day_1, day_2 are empty files \(no samples\)",
+        ),
     ],
 )
 def test_preprocessing_refuses_bad_day_sets_before_writing(tmp_path: Path, make, message) -> None:

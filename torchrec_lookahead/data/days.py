@@ -149,12 +149,17 @@ def scan_days(folder: str | Path) -> DaySet:
 
 def raw_day_paths(folder: str | Path) -> list[Path]:
     """The raw TSV days of ``folder``, day 0 first, checked by name (no gaps, nothing
-    compressed, no stray ``day_*`` files); ``.npy`` days beside them are ignored."""
+    compressed, no stray ``day_*`` files) and for an empty file (a download that never
+    wrote, found before any day is converted); ``.npy`` days beside them are ignored."""
     days = scan_days(folder)
     if not days.raw:
         raise DataError(f"{days.folder}: no raw Criteo days (day_0, day_1, ... as TSV text)")
     _check_numbering(days.folder, sorted(days.raw), "day_{}")
-    return list(days.raw.values())
+    paths = list(days.raw.values())
+    empty = [path.name for path in paths if path.stat().st_size == 0]
+    if empty:
+        raise DataError(f"{days.folder}: raw days {_listed(empty)} are empty files (no samples)")
+    return paths
 
 
 def npy_day_paths(folder: str | Path) -> list[tuple[Path, Path, Path]]:
