@@ -4,6 +4,7 @@ TSV conversion and the streaming ``.npy`` writer, each against TorchRec's own or
 from __future__ import annotations
 
 import gc
+import gzip
 import importlib.util
 import shutil
 import subprocess
@@ -619,6 +620,10 @@ def raw_day(folder: Path, name: str) -> None:
         (  # refused at its turn before, after the days ahead of it were converted
             lambda f: [raw_day(f, "day_0"), *[(f / f"day_{d}").write_bytes(b"") for d in (1, 2)]],
             r"raw days day_1, day_2 are empty files \(no samples\)",
+        ),
+        (  # refused at its turn before, as a line of one field
+            lambda f: [raw_day(f, "day_0"), (f / "day_1").write_bytes(gzip.compress(b"1\t2"))],
+            r"raw days day_1 hold compressed data under a plain day's name: decompress them",
         ),
     ],
 )

@@ -147,18 +147,34 @@ def scan_days(folder: str | Path) -> DaySet:
     return DaySet(folder, dict(sorted(raw.items())), dict(sorted(npy.items())))
 
 
+# The first bytes of gzip, bzip2, xz and zstd data: a day that is none of TSV text.
+_COMPRESSED = (b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00", b"\x28\xb5\x2f\xfd")
+
+
 def raw_day_paths(folder: str | Path) -> list[Path]:
     """The raw TSV days of ``folder``, day 0 first, checked by name (no gaps, nothing
-    compressed, no stray ``day_*`` files) and for an empty file (a download that never
-    wrote, found before any day is converted); ``.npy`` days beside them are ignored."""
+    compressed, no stray ``day_*`` files) and by their first bytes: no empty file (a
+    download that never wrote), no compressed data under a plain day's name. All before
+    any day is converted; ``.npy`` days beside them are ignored."""
     days = scan_days(folder)
     if not days.raw:
         raise DataError(f"{days.folder}: no raw Criteo days (day_0, day_1, ... as TSV text)")
     _check_numbering(days.folder, sorted(days.raw), "day_{}")
     paths = list(days.raw.values())
-    empty = [path.name for path in paths if path.stat().st_size == 0]
+    heads = {}
+    for path in paths:
+        with path.open("rb") as file:
+            heads[path.name] = file.read(max(map(len, _COMPRESSED)))
+    empty = [name for name, head in heads.items() if not head]
     if empty:
         raise DataError(f"{days.folder}: raw days {_listed(empty)} are empty files (no samples)")
+    packed = [name for name, head in heads.items() if head.startswith(_COMPRESSED)]
+    if packed:
+        raise DataError(
+            f"{days.folder}: raw days {_listed(packed)} hold compressed data under a plain "
+            f"day's name: decompress them first (e.g. mv {packed[0]} {packed[0]}.gz && "
+            f"gunzip {packed[0]}.gz)"
+        )
     return paths
 
 
