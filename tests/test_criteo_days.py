@@ -33,6 +33,7 @@ from torchrec_lookahead.data.tsv import DONE, convert_tsv_day, convert_tsv_days
 
 HASHES = [97 + 3 * i for i in range(26)]
 DAY_ROWS = (1000, 700, 900)  # the batches cross day boundaries
+KINDS_WRITTEN = ("dense", "labels", "sparse_contig_freq")  # a preprocessed day's files
 
 
 def write_days(folder: Path, rows=DAY_ROWS, seed: int = 0) -> Path:
@@ -570,6 +571,19 @@ def test_preprocessing_restarts_by_day_and_refuses_other_settings(
         preprocess_days(raw, out, 2, progress=False)
     (raw / "day_0").write_bytes(day_0)  # as it was, though written again: the same day
     assert preprocess_days(raw, out, 2, progress=False) == sizes
+    for gone, said in (  # a file of the output removed since: said by a rerun
+        (["day_1_dense.npy"], r"day 1 lacks \[.*day_1_dense.npy"),
+        ([f"day_2_{k}.npy" for k in KINDS_WRITTEN], "it holds 2 of its 3 days"),
+        (["num_embeddings_per_feature.txt"], "num_embeddings_per_feature.txt is gone"),
+    ):
+        moved = [out / name for name in gone]
+        for path in moved:
+            path.rename(tmp_path / path.name)
+        with pytest.raises(DataError, match=rf"its preprocessing is done, but .*{said}"):
+            preprocess_days(raw, out, 2, progress=False)
+        for path in moved:
+            (tmp_path / path.name).rename(path)
+        assert preprocess_days(raw, out, 2, progress=False) == sizes
     with pytest.raises(DataError, match="already holds .npy days that this preprocessing did"):
         preprocess_days(raw, raw_days[1], 2, progress=False)  # TorchRec's own output folder
     (state / "day_0.counted").write_text("{}")  # not a day's record

@@ -73,6 +73,7 @@ from torchrec_lookahead.data.days import (
     CONTIGUOUS,
     PREPROCESS_STATE,
     file_fingerprint,
+    npy_day_paths,
     raw_day_paths,
     scan_days,
 )
@@ -108,6 +109,7 @@ def preprocess_days(
     settings = {"frequency_threshold": threshold, "days": [p.name for p in tsvs]}
     _check_output(out, state, settings, tsvs)
     if (state / "done").exists():
+        _check_done(out, len(tsvs))
         return read_cardinalities(out / CARDINALITY_FILE)
     state.mkdir(parents=True, exist_ok=True)
     if not (state / "state.json").exists():
@@ -141,6 +143,23 @@ def preprocess_days(
         (state / f"day_{d}_sparse.npy").unlink(missing_ok=True)
     (state / "done").write_text("")
     return read_cardinalities(out / CARDINALITY_FILE)
+
+
+def _check_done(out: Path, days: int) -> None:
+    """A finished preprocessing's output is still whole (by name): a file removed since
+    is said by a rerun, not found by training later."""
+    try:
+        found = len(npy_day_paths(out))
+        problem = None if found == days else f"it holds {found} of its {days} days"
+    except DataError as error:
+        problem = str(error)
+    if problem is None and not (out / CARDINALITY_FILE).is_file():
+        problem = f"{CARDINALITY_FILE} is gone"
+    if problem is not None:
+        raise DataError(
+            f"{out}: its preprocessing is done, but its output changed since ({problem}); "
+            "remove the folder and run again"
+        )
 
 
 def read_cardinalities(path: str | Path) -> list[int]:
