@@ -6,9 +6,13 @@ from __future__ import annotations
 import gc
 import gzip
 import importlib.util
+import multiprocessing
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +29,7 @@ from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from torchrec_lookahead.data import contiguous
 from torchrec_lookahead.data.contiguous import preprocess_days
 from torchrec_lookahead.data.criteo import CriteoDayReader, SampleOrder, find_days, stage_samples
 from torchrec_lookahead.data.dedup import deduplicate
@@ -376,6 +381,50 @@ def test_a_malformed_line_is_named(tmp_path: Path, mutate, message) -> None:
     with pytest.raises(DataError, match=message):
         convert_tsv_days([tmp_path / "day_0"], tmp_path / "npy", progress=False)
     assert not [p for p in (tmp_path / "npy").iterdir() if p.suffix != ".done"]
+
+
+def _preprocessing_jobs_that_wait(seconds: float) -> None:
+    """A preprocessing pass whose two worker processes each wait ``seconds``."""
+    jobs = [(time.sleep, (seconds,)), (time.sleep, (seconds,))]
+    contiguous._run(jobs, 2, processes=True, desc="", progress=False)
+
+
+def _stat(pid: int | str) -> list[str]:
+    """A process's ``/proc`` stat fields after its name (state, parent, ...); none if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def _children(pid: int) -> list[int]:
+    pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]
+    return [int(child) for child in pids if _stat(child)[1:2] == [str(pid)]]
+
+
+def test_preprocessing_workers_end_with_a_parent_killed_by_kill_9() -> None:
+    """A preprocessing killed with ``kill -9`` left its worker processes waiting for jobs
+    forever; they end with it."""
+    parent = multiprocessing.get_context("forkserver").Process(
+        target=_preprocessing_jobs_that_wait, args=(60,)
+    )
+    parent.start()
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers := _children(parent.pid)) < 2:
+            assert parent.is_alive() and time.monotonic() < deadline, "no workers started"
+            time.sleep(0.05)
+    finally:
+        parent.kill()  # SIGKILL
+        parent.join()
+    deadline = time.monotonic() + 30  # a worker gone, or a zombie left to its adopter
+    while alive := [pid for pid in workers if _stat(pid)[:1] not in ([], ["Z"])]:
+        if time.monotonic() > deadline:
+            for pid in alive:
+                os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"workers {alive} outlived their parent, killed with kill -9")
+        time.sleep(0.05)
 
 
 def test_row_writer_publishes_only_whole_files(tmp_path: Path) -> None:

@@ -51,9 +51,12 @@ or other input days on the same output folder is refused.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing
 import os
+import signal
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import (
     Executor,
@@ -261,7 +264,10 @@ def _run(
         pool: Executor
         if processes:
             pool = ProcessPoolExecutor(
-                min(workers, len(jobs)), mp_context=multiprocessing.get_context("fork")
+                min(workers, len(jobs)),
+                mp_context=multiprocessing.get_context("fork"),
+                initializer=_end_with,
+                initargs=(os.getpid(),),
             )
         else:
             pool = ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="preprocess")
@@ -278,6 +284,15 @@ def _run(
             return [f.result() for f in futures]
     finally:
         bar.close()
+
+
+def _end_with(parent: int) -> None:
+    """A worker's first step: it ends when its parent does, even one killed (``kill -9``),
+    which else leaves it waiting for jobs that never come (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # gone before that took hold
+        os._exit(1)
 
 
 def _convert_and_count(tsv: Path, state: Path, out: Path, day: int, block_bytes: int) -> None:
