@@ -291,8 +291,8 @@ def _end_with(parent: int) -> None:
     which else leaves it waiting for jobs that never come (Linux; elsewhere nothing)."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # gone before that took hold
-        os._exit(1)
+    if os.getppid() != parent:  # gone before that took hold: end as the signal would
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _convert_and_count(tsv: Path, state: Path, out: Path, day: int, block_bytes: int) -> None:
