@@ -602,7 +602,8 @@ def test_ctrl_c_while_the_example_starts_ends_with_one_line(example: str) -> Non
         job.send_signal(signal.SIGINT)
         stdout, stderr = job.communicate(timeout=120)
     assert job.returncode == 130, stderr[-3000:]
-    assert stderr == "interrupted while starting (nothing trained or written)\n", stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.splitlines()[-1] == "interrupted while starting (nothing trained or written)"
     assert "usage" not in stdout  # it ended before its main
 
 
@@ -616,6 +617,24 @@ def test_a_program_importing_the_examples_keeps_its_own_ctrl_c() -> None:
 
     importlib.reload(startup)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's
+
+
+def test_the_start_up_ctrl_c_ends_the_start_once_and_hands_ctrl_c_back(capfd) -> None:
+    """A start that fails before the example's main must not leave its handler behind:
+    the one Ctrl-C it takes ends the start, a later one is Python's again."""
+    import signal
+
+    import startup
+
+    signal.signal(signal.SIGINT, startup._interrupted_while_starting)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            signal.raise_signal(signal.SIGINT)
+        handler = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert ended.value.code == 130 and handler is signal.default_int_handler
+    assert capfd.readouterr().err == "interrupted while starting (nothing trained or written)\n"
 
 
 def test_the_steps_trained_are_said_as_trained() -> None:

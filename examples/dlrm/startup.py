@@ -32,8 +32,11 @@ def started() -> None:
 
 
 def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
+    """Once: a start that fails before ``started`` leaves Python's Ctrl-C behind. Written
+    with ``os.write``: a ``print`` could land inside another write to stderr and fail."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
-        print("interrupted while starting (nothing trained or written)", file=sys.stderr)
+        os.write(2, b"interrupted while starting (nothing trained or written)\n")
     raise SystemExit(INTERRUPTED)
 
 

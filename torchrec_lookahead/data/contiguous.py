@@ -161,7 +161,8 @@ def _check_done(out: Path, days: int) -> None:
     if problem is not None:
         raise DataError(
             f"{out}: its preprocessing is done, but its output changed since ({problem}); "
-            "remove the folder and run again"
+            "a finished output is not redone in place: put back what changed, or "
+            "preprocess again into a new --output_dir"
         )
 
 
@@ -290,7 +291,10 @@ def _end_with(parent: int) -> None:
     """A worker's first step: it ends when its parent does, even one killed (``kill -9``),
     which else leaves it waiting for jobs that never come (Linux; elsewhere nothing)."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (AttributeError, OSError):  # a libc without it: the check below only
+            pass
     if os.getppid() != parent:  # gone before that took hold: end as the signal would
         os.kill(os.getpid(), signal.SIGKILL)
 
