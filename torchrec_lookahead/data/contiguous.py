@@ -289,7 +289,8 @@ def _run(
 
 def _end_with(parent: int) -> None:
     """A worker's first step: it ends when its parent does, even one killed (``kill -9``),
-    which else leaves it waiting for jobs that never come (Linux; elsewhere nothing)."""
+    which else leaves it waiting for jobs that never come (on Linux; elsewhere only a
+    parent already gone is seen)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
